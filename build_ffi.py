@@ -1,0 +1,150 @@
+"""cffi (API mode) build of ``uring_kv._native_c``: liburing linked statically, plus small C helpers.
+
+The helpers exist because cffi releases the GIL around every call: one call submits N SQEs, reaps N
+CQEs or enqueues N copies, so the per-block cost in Python stays one tuple, not one C call per item.
+The only logic here is :func:`find_liburing`, a pure function with its own test.
+
+Run ``python build_ffi.py`` to build the extension in place (what the GPU machine does).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+INSTALL_HINT = (
+    "uring_kv: liburing headers (liburing.h) not found; install liburing-dev (Debian/Ubuntu) "
+    "or liburing-devel (Fedora/RHEL), or set URING_KV_LIBURING to a prefix holding include/liburing.h"
+)
+
+
+def _lib_dirs(prefix: str) -> list[str]:
+    multiarch = sysconfig.get_config_var("MULTIARCH") or "x86_64-linux-gnu"
+    return [f"{prefix}/lib/{multiarch}", f"{prefix}/lib64", f"{prefix}/lib"]
+
+
+def find_liburing(
+    env: Mapping[str, str],
+    pkg_config: Callable[[], tuple[str, str] | None],
+    exists: Callable[[str], bool],
+) -> tuple[str, str]:
+    """Return ``(include_dir, path_to_liburing.a)``.
+
+    Looks in ``$URING_KV_LIBURING`` first, then what pkg-config reports, then /usr and /usr/local.
+    Raises ``SystemExit`` with one line naming the package to install when nothing complete is found.
+    """
+    candidates: list[tuple[str, list[str]]] = []
+    prefix = env.get("URING_KV_LIBURING")
+    if prefix:
+        candidates.append((f"{prefix}/include", _lib_dirs(prefix)))
+    found = pkg_config()
+    if found is not None:
+        candidates.append((found[0], [found[1]]))
+    for sys_prefix in ("/usr", "/usr/local"):
+        candidates.append((f"{sys_prefix}/include", _lib_dirs(sys_prefix)))
+    headers_seen = False
+    for include_dir, lib_dirs in candidates:
+        if not exists(f"{include_dir}/liburing.h"):
+            continue
+        headers_seen = True
+        for lib_dir in lib_dirs:
+            archive = f"{lib_dir}/liburing.a"
+            if exists(archive):
+                return include_dir, archive
+    if headers_seen:
+        raise SystemExit("uring_kv: liburing.h found but no static liburing.a beside it; " + INSTALL_HINT[10:])
+    raise SystemExit(INSTALL_HINT)
+
+
+def _pkg_config() -> tuple[str, str] | None:
+    if shutil.which("pkg-config") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["pkg-config", "--variable=includedir", "--variable=libdir", "liburing"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()
+    except subprocess.CalledProcessError:
+        return None
+    return (out[0], out[1]) if len(out) == 2 else None
+
+
+CDEF = r"""
+struct ukv_ring;
+struct ukv_op {
+    uint8_t opcode; uint8_t sqe_flags; uint16_t buf_index; int32_t fd;
+    uint64_t addr; uint32_t len; uint64_t offset; uint64_t user_data;
+};
+#define UKV_OP_READ ...
+#define UKV_OP_READ_FIXED ...
+#define UKV_OP_WRITE ...
+#define UKV_OP_WRITE_FIXED ...
+#define UKV_OP_READV ...
+#define UKV_OP_WRITEV ...
+#define UKV_OP_NOP ...
+#define IORING_SETUP_SINGLE_ISSUER ...
+#define IORING_SETUP_DEFER_TASKRUN ...
+#define IORING_SETUP_COOP_TASKRUN ...
+#define IORING_SETUP_SUBMIT_ALL ...
+#define IOSQE_ASYNC ...
+#define IOSQE_FIXED_FILE ...
+#define IORING_FEAT_NODROP ...
+#define IORING_FEAT_FAST_POLL ...
+#define IORING_FEAT_EXT_ARG ...
+#define IORING_FEAT_NATIVE_WORKERS ...
+#define IO_URING_VERSION_MAJOR ...
+#define IO_URING_VERSION_MINOR ...
+
+int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct ukv_ring **out);
+void ukv_ring_close(struct ukv_ring *r);
+unsigned ukv_ring_info(struct ukv_ring *r, unsigned *flags, unsigned *features, unsigned *cq_entries);
+int ukv_register_eventfd(struct ukv_ring *r, int fd);
+int ukv_register_buffers(struct ukv_ring *r, const uint64_t *addrs, const uint64_t *lens, unsigned n);
+int ukv_unregister_buffers(struct ukv_ring *r);
+int ukv_register_files(struct ukv_ring *r, const int *fds, unsigned n);
+int ukv_unregister_files(struct ukv_ring *r);
+int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
+int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max);
+
+int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
+int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
+                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed);
+
+int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+                  const uint64_t *slot_addrs, const int64_t *gpu_blocks);
+int ukv_cuda_load(void);
+int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+                  const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream);
+"""
+
+SOURCE = (Path(__file__).resolve().parent / "uring_kv" / "_native.c").read_text()
+
+
+def make_builder():  # type: ignore[no-untyped-def]
+    from cffi import FFI
+
+    include_dir, archive = find_liburing(os.environ, _pkg_config, os.path.exists)
+    builder = FFI()
+    builder.cdef(CDEF)
+    builder.set_source(
+        "uring_kv._native_c",
+        SOURCE,
+        include_dirs=[include_dir],
+        extra_objects=[archive],
+        libraries=["dl"],
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+    )
+    return builder
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parent
+    make_builder().compile(tmpdir=str(root), verbose=False)
+    print("built", next(root.glob("uring_kv/_native_c*.so")), file=sys.stderr)

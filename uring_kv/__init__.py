@@ -1,0 +1,7 @@
+"""uring_kv: offload KV-cache blocks between GPU (or CPU) tensors and a file through io_uring."""
+
+from uring_kv._engine import Engine, TransferHandle
+from uring_kv.errors import BlockIOError, EngineClosedError, UringKVError, UringUnavailable
+
+__all__ = ["Engine", "TransferHandle", "BlockIOError", "EngineClosedError", "UringKVError", "UringUnavailable"]
+__version__ = "0.1.0"

@@ -1,0 +1,96 @@
+"""The bridge: one thread per engine that turns fired CUDA copy events into loop callbacks.
+
+Why a thread, and why this shape
+--------------------------------
+A staging slot may only go back to the pool once the copy reading or writing it has finished on the
+GPU, and only the CUDA event recorded after that copy knows when. The loop cannot wait for it:
+``Event.query()`` holds the GIL and polling it from the loop is a busy-wait; ``synchronize()``
+blocks. So one thread per engine does the waiting:
+
+* it sleeps on a condition variable while nothing is pending (no CPU when idle);
+* it blocks in ``synchronize()`` on the *oldest* pending event (events are created with
+  ``blocking=True``, so the wait sleeps in the driver instead of spinning, and the GIL is released);
+* when it wakes it sweeps every later event that has also fired (``query()``, a few calls at most),
+  and hands the whole batch to the loop with one ``call_soon_threadsafe``.
+
+The loop then runs each completion handler; the handlers release leases. A handler whose batch was
+cancelled still runs: that is exactly what keeps a cancelled batch's slots out of the pool until the
+DMA engine is done with them. Per-delivery latency (event fired → handler ran) is kept for the bench.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+
+class Waitable(Protocol):
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+
+
+class Bridge:
+    """Watches events on a thread; ``on_done`` callbacks run on the loop, in batches."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "uring-kv-bridge") -> None:
+        self._loop = loop
+        self._items: deque[tuple[Waitable, Callable[[], None]]] = deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.pending = 0  # watched and not yet delivered (loop-side count)
+        self.delivery_ns: deque[int] = deque(maxlen=100_000)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def watch(self, event: Waitable, on_done: Callable[[], None]) -> None:
+        self.pending += 1
+        with self._cv:
+            self._items.append((event, on_done))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._stopping:
+                    self._cv.wait()
+                if not self._items:
+                    return
+                head_event = self._items[0][0]
+            head_event.synchronize()
+            fired_ns = time.perf_counter_ns()
+            with self._cv:
+                batch = [self._items.popleft()]
+                kept: deque[tuple[Waitable, Callable[[], None]]] = deque()
+                while self._items:
+                    item = self._items.popleft()
+                    (batch if item[0].query() else kept).append(item)
+                self._items = kept
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, batch, fired_ns)
+            except RuntimeError:  # the loop is closed: nobody is left to hand slots back to
+                return
+
+    def _deliver(self, batch: list[tuple[Waitable, Callable[[], None]]], fired_ns: int) -> None:
+        self.delivery_ns.append(time.perf_counter_ns() - fired_ns)
+        for _event, on_done in batch:
+            self.pending -= 1
+            try:
+                on_done()
+            except Exception as exc:
+                self._loop.call_exception_handler({"message": "uring_kv copy completion handler failed",
+                                                   "exception": exc})
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop after every watched event has been delivered (blocks until the thread exits)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join()

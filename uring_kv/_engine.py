@@ -1,0 +1,501 @@
+"""The engine: validation, per-disk-block hazards and batches. Orchestration only.
+
+It never calls the kernel or CUDA itself: reads and writes go through an ``IOBackend``, copies through a
+copier, completions come back through handlers, and leases move only in those handlers (see
+``_staging``). A batch coroutine does three things: wait for the hazards of each block, acquire a
+slot, submit. Everything after submission is driven by completions, so cancelling the coroutine
+stops *new* submissions but never frees a slot that the kernel or the DMA engine still uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import operator
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from uring_kv._bridge import Bridge, Waitable
+from uring_kv._copy import CudaCopier, HostCopier
+from uring_kv._file import BlockFile
+from uring_kv._io import IOBackend, Op, open_backend
+from uring_kv._native import BlockCopier
+from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
+from uring_kv.errors import BlockIOError, EngineClosedError
+
+
+@dataclass(eq=False, slots=True)
+class _Block:
+    disk_block: int
+    gpu_block: int
+    batch: _Batch
+    deps: list[asyncio.Future[None]]
+    phase_done: asyncio.Future[None]  # load: its read finished; store: its write finished
+    lease: Lease | None = None
+
+
+@dataclass(eq=False)
+class _Batch:
+    kind: Kind
+    after: Any
+    remaining: int
+    done: asyncio.Future[None]
+    enqueued: asyncio.Future[Any]
+    to_enqueue: int
+    failures: dict[int, int] = field(default_factory=dict)
+    ready: list[_Block] = field(default_factory=list)
+    last_event: Any = None
+
+
+class TransferHandle:
+    """A batch whose copies are enqueued. ``event`` (GPU mode) fires when every block has arrived
+    on the device (load) or in the staging slots (store); ``await handle`` waits until the batch is
+    complete (resident on the device, or written to the file) and raises its I/O errors."""
+
+    def __init__(self, batch: _Batch, event: Any) -> None:
+        self._batch = batch
+        self.event = event
+
+    def wait_on(self, stream: Any) -> None:
+        """Make ``stream`` wait for this batch's copies (GPU mode)."""
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+    def __await__(self) -> Any:
+        return self._batch.done.__await__()
+
+
+def _block_indices(values: Iterable[Any], what: str, limit: int) -> list[int]:
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}")
+    try:
+        items = list(values.tolist() if hasattr(values, "tolist") else values)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}") from None
+    out = []
+    for position, value in enumerate(items):
+        if isinstance(value, bool):
+            raise TypeError(f"{what}[{position}] is a bool, not a block index")
+        try:
+            index = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{what}[{position}] must be an integer, got {type(value).__name__}") from None
+        if not 0 <= index < limit:
+            raise ValueError(f"{what}[{position}] = {index} is out of range [0, {limit})")
+        out.append(index)
+    return out
+
+
+def _normalise_caches(caches: Any) -> tuple[list[str], list[Any]]:
+    import torch
+
+    if isinstance(caches, torch.Tensor):
+        raise TypeError("caches must be a mapping name → tensor or a sequence of tensors, not one tensor")
+    if isinstance(caches, Mapping):
+        names, tensors = [str(k) for k in caches], list(caches.values())
+    elif isinstance(caches, Sequence):
+        tensors = list(caches)
+        names = [str(i) for i in range(len(tensors))]
+    else:
+        raise TypeError(f"caches must be a mapping or a sequence of tensors, got {type(caches).__name__}")
+    if not tensors:
+        raise ValueError("caches is empty: at least one tensor is needed")
+    for name, t in zip(names, tensors, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cache {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.dim() < 1 or t.shape[0] == 0 or t.numel() == 0:
+            raise ValueError(f"cache {name!r} has no blocks (shape {tuple(t.shape)})")
+        if not t.is_contiguous():
+            raise ValueError(f"cache {name!r} is not contiguous: each block (dim 0) must be one contiguous run")
+        if t.device != tensors[0].device:
+            raise ValueError(f"cache {name!r} is on {t.device}, cache {names[0]!r} on {tensors[0].device}: "
+                             "all caches must be on one device")
+        if t.shape[0] != tensors[0].shape[0]:
+            raise ValueError(f"cache {name!r} has {t.shape[0]} blocks, cache {names[0]!r} has "
+                             f"{tensors[0].shape[0]}: every cache needs the same number of blocks")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"cache {name!r} is on {t.device}; only CUDA and CPU tensors are supported")
+    return names, tensors
+
+
+class Engine:
+    """Loads and stores KV-cache blocks between ``caches`` and a private file at ``path``.
+
+    ``caches``: mapping name → tensor (or a sequence of tensors), all on one device, dim 0 the block
+    index. A disk block holds one block of every tensor, padded to the I/O alignment.
+    Use as ``async with Engine(...) as engine`` (or ``await engine.open()`` … ``await engine.aclose()``).
+
+    ``num_slots``: staging slots (pinned host memory = num_slots × padded block size).
+    ``direct``: True requires O_DIRECT, False never uses it, None (default) probes and falls back.
+    ``io``: 'auto' (default, or ``$URING_KV_IO``), 'uring' or 'threads'.
+    ``copy_delay``: CPU mode only, for tests: hold every host copy back this many seconds.
+    """
+
+    def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
+                 *, direct: bool | None = None, io: str | None = None, copy_delay: float = 0.0) -> None:
+        if isinstance(num_disk_blocks, bool) or not isinstance(num_disk_blocks, int) or num_disk_blocks < 1:
+            raise ValueError(f"num_disk_blocks must be a positive integer, got {num_disk_blocks!r}")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
+        if copy_delay < 0:
+            raise ValueError(f"copy_delay must be >= 0, got {copy_delay}")
+        self.names, self._tensors = _normalise_caches(caches)
+        self.device = self._tensors[0].device
+        self.gpu = self.device.type == "cuda"
+        if copy_delay and self.gpu:
+            raise ValueError("copy_delay only applies to CPU caches")
+        self.num_gpu_blocks = int(self._tensors[0].shape[0])
+        self._tensor_block_bytes = [t.stride(0) * t.element_size() for t in self._tensors]
+        offsets, total = [], 0
+        for nbytes in self._tensor_block_bytes:
+            offsets.append(total)
+            total += nbytes
+        self._slot_offsets = offsets
+        self.block_bytes = total
+        self.path = os.fspath(path)
+        self.num_disk_blocks = num_disk_blocks
+        self.num_slots = num_slots
+        self._direct = direct
+        self._io_mode = io
+        self._copy_delay = copy_delay
+        self._state = "new"
+        self._active: set[_Batch] = set()
+        self._last_store: dict[int, asyncio.Future[None]] = {}
+        self._loads_reading: dict[int, list[asyncio.Future[None]]] = {}
+        self._invalid: dict[int, int] = {}  # disk block → errno of its last, failed store
+        self._flush_scheduled = False
+        self._ready_batches: list[_Batch] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    async def open(self) -> Engine:
+        if self._state != "new":
+            raise RuntimeError(f"engine is {self._state}; open() is called once")
+        self._state = "opening"
+        self._loop = asyncio.get_running_loop()
+        self.file = await asyncio.to_thread(BlockFile, self.path, self.block_bytes, self.num_disk_blocks,
+                                            self._direct)
+        try:
+            self._open_rest()
+        except BaseException:
+            self.file.close()
+            self._state = "closed"
+            raise
+        self._state = "open"
+        return self
+
+    def _open_rest(self) -> None:
+        self.io: IOBackend = open_backend(self._io_mode, loop=self._loop, async_io=not self.file.direct)
+        self.pool = SlotPool(self.num_slots, self.file.stride)
+        self._host_registered = False
+        if self.gpu:
+            import torch
+
+            rc = torch.cuda.cudart().cudaHostRegister(self.pool.slab.addr, self.pool.slab.size, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {self.pool.slab.size} staging bytes failed ({rc})")
+            self._host_registered = True
+        self.io.register_buffers([(lease.addr, self.file.stride) for lease in self.pool.leases])
+        self.io.register_file(self.file.fd)
+        self.bridge = Bridge(self._loop)
+        blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
+        self.copier: HostCopier | CudaCopier
+        if self.gpu:
+            self.copier = CudaCopier(blocks, self.bridge, self.device)
+        else:
+            self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
+
+    async def __aenter__(self) -> Engine:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop accepting work, let in-flight batches finish, wait for every I/O and copy, free all."""
+        if self._state in ("closed", "closing", "new"):
+            self._state = "closed" if self._state == "new" else self._state
+            return
+        self._state = "closing"
+        pending = [b.done for b in self._active]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        await self.io.drain()
+        while self.bridge.pending:
+            await asyncio.sleep(0.001)
+        self.copier.close()
+        self.bridge.stop()
+        self.io.close()
+        if self._host_registered:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.pool.slab.addr)
+        self.pool.close()
+        self.file.close()
+        self._state = "closed"
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", "closed") in ("open", "opening"):
+            warnings.warn(f"uring_kv Engine for {self.path} was not closed; removing its file",
+                          ResourceWarning, stacklevel=1)
+            file, io = getattr(self, "file", None), getattr(self, "io", None)
+            if file is not None and (io is None or io.inflight == 0):  # else keep the fd: I/O still uses it
+                with contextlib.suppress(Exception):
+                    file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._state == "closed"
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests and monitoring: leases held, I/O and copies in flight."""
+        return {
+            "leases_held": self.pool.held,
+            "io_inflight": self.io.inflight,
+            "copies_pending": self.bridge.pending,
+            "active_batches": len(self._active),
+            "oldest_lease_age_s": self.pool.oldest_age(),
+            "io": self.io.description,
+            "direct": self.file.direct,
+            "fixed_buffers": self.io.fixed_buffers,
+            "pinned_bytes": self.pool.slab.size,
+        }
+
+    # ----------------------------------------------------------------- public API
+    async def load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int], after: Any = None) -> None:
+        """Read ``disk_blocks`` into ``gpu_blocks``; returns once the bytes are on the device."""
+        await (await self.load_batch_async(disk_blocks, gpu_blocks, after))
+
+    async def store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int], after: Any = None) -> None:
+        """Write ``gpu_blocks`` to ``disk_blocks``; returns once the bytes are in the file."""
+        await (await self.store_batch_async(gpu_blocks, disk_blocks, after))
+
+    async def load_batch_async(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
+                               after: Any = None) -> TransferHandle:
+        """Like :meth:`load_batch` but returns once every copy is enqueued (see :class:`TransferHandle`)."""
+        disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
+        batch = self._new_batch(Kind.LOAD, after, len(disk))
+        blocks = []
+        for d, g in zip(disk, gpu, strict=True):
+            store = self._last_store.get(d)
+            block = _Block(d, g, batch, [store] if store is not None else [], self._loop.create_future())
+            self._loads_reading.setdefault(d, []).append(block.phase_done)
+            blocks.append(block)
+        return await self._drive(batch, blocks)
+
+    async def store_batch_async(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
+                                after: Any = None) -> TransferHandle:
+        """Like :meth:`store_batch` but returns once every D2H copy is enqueued; awaiting the handle
+        waits for the writes."""
+        disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.STORE)
+        batch = self._new_batch(Kind.STORE, after, len(disk))
+        blocks = []
+        for d, g in zip(disk, gpu, strict=True):
+            deps = list(self._loads_reading.get(d, ()))
+            if (store := self._last_store.get(d)) is not None:
+                deps.append(store)
+            block = _Block(d, g, batch, deps, self._loop.create_future())
+            self._last_store[d] = block.phase_done
+            blocks.append(block)
+        return await self._drive(batch, blocks)
+
+    # ----------------------------------------------------------------- internals
+    def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> tuple[list[int], list[int], Any]:
+        if self._state != "open":
+            raise EngineClosedError(f"engine is {self._state}")
+        disk = _block_indices(disk_blocks, "disk_blocks", self.num_disk_blocks)
+        gpu = _block_indices(gpu_blocks, "gpu_blocks", self.num_gpu_blocks)
+        if len(disk) != len(gpu):
+            raise ValueError(f"disk_blocks has {len(disk)} entries but gpu_blocks has {len(gpu)}")
+        if len(set(gpu)) != len(gpu):
+            dup = next(g for g in gpu if gpu.count(g) > 1)
+            raise ValueError(f"gpu block {dup} appears twice in one batch")
+        if kind is Kind.STORE and len(set(disk)) != len(disk):
+            dup = next(d for d in disk if disk.count(d) > 1)
+            raise ValueError(f"disk block {dup} appears twice in one store batch")
+        if not self.gpu:
+            if after is not None:
+                raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
+            return disk, gpu, None
+        import torch
+
+        if after is not None and not isinstance(after, torch.cuda.Event):
+            raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
+        if after is None and disk:
+            # Default ordering: after whatever the caller's current stream has queued so far.
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        return disk, gpu, after
+
+    def _new_batch(self, kind: Kind, after: Any, count: int) -> _Batch:
+        batch = _Batch(kind, after, count, self._loop.create_future(), self._loop.create_future(), count)
+        self._active.add(batch)
+        if count == 0:
+            self._check_batch(batch)
+        return batch
+
+    async def _drive(self, batch: _Batch, blocks: list[_Block]) -> TransferHandle:
+        """Wait hazards, take slots, submit. Cancelling this stops new submissions only."""
+        started = 0
+        try:
+            while started < len(blocks):
+                block = blocks[started]
+                for dep in block.deps:
+                    if not dep.done():
+                        await asyncio.shield(dep)
+                block.lease = await self.pool.acquire(batch.kind)
+                group = [block]
+                started += 1
+                # Take more free slots now for the following blocks whose hazards are clear.
+                while started < len(blocks) and all(d.done() for d in blocks[started].deps):
+                    more = self.pool.try_acquire(batch.kind, 1)
+                    if not more:
+                        break
+                    blocks[started].lease = more[0]
+                    group.append(blocks[started])
+                    started += 1
+                self._start(batch, group)
+        finally:
+            for block in blocks[started:]:  # never started: unblock whoever waits on them
+                self._phase_finished(block)
+                if block.lease is not None:
+                    self.pool.release_unused(block.lease)
+                    block.lease = None
+                batch.remaining -= 1
+                batch.to_enqueue -= 1
+            if started < len(blocks):
+                self._check_batch(batch)
+        await asyncio.shield(batch.enqueued)
+        return TransferHandle(batch, batch.last_event)
+
+    def _start(self, batch: _Batch, group: list[_Block]) -> None:
+        if batch.kind is Kind.LOAD:
+            ops = []
+            for block in group:
+                assert block.lease is not None
+                block.lease.advance(LeaseState.RESERVED)
+                invalid = self._invalid.get(block.disk_block)
+                if invalid is not None:  # its last store failed: no bytes to trust
+                    self._loop.call_soon(self._on_read, block, -invalid)
+                    continue
+                ops.append(Op(False, self.file.fd, block.lease.addr, self.file.stride,
+                              self.file.offset(block.disk_block), _bind(self._on_read, block),
+                              block.lease.index))
+            if ops:
+                self.io.submit(ops)
+        else:
+            for block in group:
+                assert block.lease is not None
+                block.lease.advance(LeaseState.RESERVED)
+            self._enqueue_copy(batch, group)
+
+    def _enqueue_copy(self, batch: _Batch, group: list[_Block]) -> None:
+        slot_addrs = [b.lease.addr for b in group if b.lease is not None]
+        event = self.copier.copy(batch.kind is Kind.STORE, slot_addrs, [b.gpu_block for b in group],
+                                 batch.after, _bind(self._on_copied, group))
+        batch.last_event = event
+        batch.to_enqueue -= len(group)
+        self._check_enqueued(batch)
+
+    # Completion handlers: the only places a submitted lease moves on.
+    def _on_read(self, block: _Block, res: int) -> None:
+        self._phase_finished(block)
+        lease = block.lease
+        assert lease is not None
+        batch = block.batch
+        if res != self.file.stride:
+            batch.failures[block.disk_block] = -res if res < 0 else errno.EIO
+            block.lease = None
+            self.pool.release(lease)  # READING → FREE: the kernel is done and no copy was issued
+            batch.to_enqueue -= 1
+            self._check_enqueued(batch)
+            self._batch_block_done(batch)
+            return
+        lease.advance(LeaseState.READING)
+        batch.ready.append(block)
+        if not batch.ready[1:]:
+            self._ready_batches.append(batch)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_ready)
+
+    def _flush_ready(self) -> None:
+        """One copy call per batch for all reads that completed in this loop iteration."""
+        self._flush_scheduled = False
+        batches, self._ready_batches = self._ready_batches, []
+        for batch in batches:
+            group, batch.ready = batch.ready, []
+            self._enqueue_copy(batch, group)
+
+    def _on_copied(self, group: list[_Block]) -> None:
+        batch = group[0].batch
+        if batch.kind is Kind.LOAD:
+            for block in group:
+                assert block.lease is not None
+                self.pool.release(block.lease)  # COPYING → FREE: the H2D copy has finished
+                block.lease = None
+                self._batch_block_done(batch)
+            return
+        ops = []
+        for block in group:
+            assert block.lease is not None
+            block.lease.advance(LeaseState.COPYING)
+            ops.append(Op(True, self.file.fd, block.lease.addr, self.file.stride,
+                          self.file.offset(block.disk_block), _bind(self._on_written, block),
+                          block.lease.index))
+        self.io.submit(ops)
+
+    def _on_written(self, block: _Block, res: int) -> None:
+        lease = block.lease
+        assert lease is not None
+        block.lease = None
+        self.pool.release(lease)  # WRITING → FREE: the write CQE says the kernel is done
+        if res != self.file.stride:
+            code = -res if res < 0 else errno.EIO
+            block.batch.failures[block.disk_block] = code
+            self._invalid[block.disk_block] = code
+        else:
+            self._invalid.pop(block.disk_block, None)
+        self._phase_finished(block)
+        self._batch_block_done(block.batch)
+
+    def _phase_finished(self, block: _Block) -> None:
+        fut = block.phase_done
+        if fut.done():
+            return
+        fut.set_result(None)
+        if block.batch.kind is Kind.LOAD:
+            readers = self._loads_reading.get(block.disk_block)
+            if readers is not None:
+                readers.remove(fut)
+                if not readers:
+                    del self._loads_reading[block.disk_block]
+        elif self._last_store.get(block.disk_block) is fut:
+            del self._last_store[block.disk_block]
+
+    def _check_enqueued(self, batch: _Batch) -> None:
+        if batch.to_enqueue == 0 and not batch.enqueued.done():
+            batch.enqueued.set_result(batch.last_event)
+
+    def _batch_block_done(self, batch: _Batch) -> None:
+        batch.remaining -= 1
+        self._check_batch(batch)
+
+    def _check_batch(self, batch: _Batch) -> None:
+        self._check_enqueued(batch)
+        if batch.remaining > 0 or batch.done.done():
+            return
+        self._active.discard(batch)
+        if batch.failures:
+            batch.done.set_exception(BlockIOError("load" if batch.kind is Kind.LOAD else "store", batch.failures))
+        else:
+            batch.done.set_result(None)
+        if batch.failures and not batch.done.cancelled():
+            batch.done.exception()  # mark retrieved: a cancelled caller may never look at it
+
+
+def _bind(handler: Any, arg: Any) -> Any:
+    return lambda *rest: handler(arg, *rest)

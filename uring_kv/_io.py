@@ -1,0 +1,299 @@
+"""Block I/O backends: io_uring on the event loop, or a thread pool doing preadv/pwritev.
+
+Both serve one interface, :class:`IOBackend`: ``submit()`` a batch of :class:`Op` and each op's
+``on_done(res)`` is later called *on the loop thread* with the byte count or ``-errno``. An op, and
+the memory it names, belongs to the kernel (or the worker thread) until ``on_done`` runs; nothing here
+frees or reuses a buffer early, and a cancelled awaiter does not change that.
+
+Some facts about io_uring that shape the ring backend:
+
+* cffi releases the GIL around every C call, so submission and reaping are batched in C.
+* The eventfd registered with the ring is only a hint: on each wake-up we read it, then drain the CQ
+  completely. Many CQEs per tick are normal.
+* With SINGLE_ISSUER|DEFER_TASKRUN only the creating thread may submit or reap, and completions are
+  posted only when it asks (``io_uring_get_events``). The ring is created, used and closed on the loop
+  thread; that is checked on every submit.
+* Buffered reads that hit the page cache complete inline inside ``io_uring_enter``, on the loop thread.
+  ``async_io=True`` sets IOSQE_ASYNC on every SQE so the work goes to io-wq threads instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+import warnings
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from uring_kv._memory import view_of
+from uring_kv._native import NativeRing, Opcode, SetupFlag, SqeFlag, os_error
+from uring_kv.errors import UringUnavailable
+
+
+@dataclass(slots=True, eq=False)
+class Op:
+    """One read or write of ``length`` bytes at file ``offset`` to/from memory at ``addr``."""
+
+    write: bool
+    fd: int
+    addr: int
+    length: int
+    offset: int
+    on_done: Callable[[int], None]
+    buf_index: int = -1  # index of a registered (fixed) buffer holding addr, or -1
+    keep: object = field(default=None)  # kept alive until on_done has run
+
+
+def check_result(res: int, expected: int, what: str) -> None:
+    """Raise for a failed (negative) or short result; the one place results become exceptions."""
+    if res < 0:
+        raise os_error(res, what)
+    if res != expected:
+        raise OSError(errno.EIO, f"{what}: short transfer ({res} of {expected} bytes)")
+
+
+class IOBackend(ABC):
+    """What the engine needs from an I/O path. Methods are called on the event loop thread."""
+
+    name: str
+    description: str
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self.inflight = 0
+        self.fixed_buffers = False
+        self._idle: asyncio.Event | None = None
+
+    @abstractmethod
+    def submit(self, ops: Sequence[Op]) -> None:
+        """Start every op; each one's ``on_done`` runs exactly once, later, on the loop thread."""
+
+    def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
+        """Offer memory regions for fixed-buffer I/O; True when ops may name them by index."""
+        return False
+
+    def register_file(self, fd: int) -> None:
+        """Offer an fd for fixed-file I/O (an optimisation; ops keep naming the real fd)."""
+
+    def _finished(self, op: Op, res: int) -> None:
+        self.inflight -= 1
+        try:
+            op.on_done(res)
+        except Exception as exc:  # one bad handler must not stop the others
+            self._loop.call_exception_handler({"message": "uring_kv I/O completion handler failed",
+                                               "exception": exc})
+        if self.inflight == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """Wait until no op is in flight."""
+        while self.inflight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+        self._idle = None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the backend. Raises RuntimeError while ops are in flight (their memory is still in use)."""
+
+    async def transfer(self, write: bool, fd: int, addr: int, length: int, offset: int,
+                       buf_index: int = -1, keep: object = None) -> int:
+        """Convenience: one op, awaited. Cancelling the awaiter leaves the op running to its completion."""
+        fut: asyncio.Future[int] = self._loop.create_future()
+
+        def done(res: int) -> None:
+            if not fut.done():
+                fut.set_result(res)
+
+        self.submit([Op(write, fd, addr, length, offset, done, buf_index, keep)])
+        res = await fut
+        check_result(res, length, f"{'write' if write else 'read'} of {length} bytes at offset {offset}")
+        return res
+
+
+_FLAG_LADDER = (
+    SetupFlag.SINGLE_ISSUER | SetupFlag.DEFER_TASKRUN | SetupFlag.SUBMIT_ALL,
+    SetupFlag.COOP_TASKRUN | SetupFlag.SUBMIT_ALL,
+    SetupFlag.SUBMIT_ALL,
+    SetupFlag.NONE,
+)
+
+
+def flag_names(flags: int) -> str:
+    names = [f.name for f in SetupFlag if f and f & flags and f.name]
+    return "|".join(names) or "none"
+
+
+class UringBackend(IOBackend):
+    """io_uring, completions delivered through an eventfd watched by the loop (``add_reader``)."""
+
+    name = "uring"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, entries: int = 256,
+                 async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER) -> None:
+        super().__init__(loop)
+        self._owner = threading.get_ident()
+        ring: NativeRing | None = None
+        for candidate in flags:
+            try:
+                ring = NativeRing(entries, entries * 4, candidate)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: these flags are too new; anything else is final
+                    raise UringUnavailable(_unavailable_reason(exc)) from exc
+        if ring is None:
+            raise UringUnavailable("io_uring_setup refused every flag combination (EINVAL)")
+        self._ring = ring
+        self.setup_flags = ring.flags
+        self.async_io = async_io
+        self._sqe_flags = int(SqeFlag.ASYNC) if async_io else 0
+        self.description = f"io_uring ({flag_names(ring.flags)}{', IOSQE_ASYNC' if async_io else ''})"
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ring.register_eventfd(self._efd)
+        self._loop.add_reader(self._efd, self._on_wakeup)
+        self._pending: dict[int, Op] = {}
+        self._next_user_data = 1
+        self._backlog: deque[Op] = deque()
+        self._capacity = ring.cq_entries  # never more in flight than the CQ can hold
+        self._fixed_fd: dict[int, int] = {}
+        self.wakeups = 0
+
+    def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
+        try:
+            self._ring.register_buffers(regions)
+        except OSError:  # ENOMEM under a small RLIMIT_MEMLOCK, EFAULT on odd memory: plain ops work
+            return False
+        self.fixed_buffers = True
+        return True
+
+    def register_file(self, fd: int) -> None:
+        if self._fixed_fd:
+            return
+        try:
+            self._ring.register_files([fd])
+        except OSError:
+            return
+        self._fixed_fd[fd] = 0
+
+    def submit(self, ops: Sequence[Op]) -> None:
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("io_uring ops must be submitted from the event loop thread that created the ring")
+        self.inflight += len(ops)
+        self._backlog.extend(ops)
+        self._flush()
+
+    def _flush(self) -> None:
+        room = self._capacity - len(self._pending)
+        if room <= 0 or not self._backlog:
+            return
+        sqes = []
+        while self._backlog and room > 0:
+            op = self._backlog.popleft()
+            room -= 1
+            user_data = self._next_user_data
+            self._next_user_data += 1
+            self._pending[user_data] = op
+            fixed = op.buf_index >= 0 and self.fixed_buffers
+            if op.write:
+                opcode = Opcode.WRITE_FIXED if fixed else Opcode.WRITE
+            else:
+                opcode = Opcode.READ_FIXED if fixed else Opcode.READ
+            fd, sqe_flags = op.fd, self._sqe_flags
+            if fd in self._fixed_fd:
+                fd, sqe_flags = self._fixed_fd[fd], sqe_flags | SqeFlag.FIXED_FILE
+            sqes.append((int(opcode), int(sqe_flags), max(op.buf_index, 0), fd, op.addr, op.length,
+                         op.offset, user_data))
+        self._ring.submit(sqes)
+
+    def _on_wakeup(self) -> None:
+        self.wakeups += 1
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+        while True:
+            done = self._ring.reap()
+            if not done:
+                break
+            for user_data, res in done:
+                self._finished(self._pending.pop(user_data), res)
+            self._flush()
+
+    def close(self) -> None:
+        if self.inflight:
+            raise RuntimeError(f"{self.inflight} io_uring ops still in flight; drain() first")
+        if self._efd < 0:
+            return
+        self._loop.remove_reader(self._efd)
+        self._ring.close()
+        os.close(self._efd)
+        self._efd = -1
+
+
+def _unavailable_reason(exc: OSError) -> str:
+    hint = {
+        errno.EPERM: "blocked by seccomp (containers) or kernel.io_uring_disabled",
+        errno.ENOSYS: "the kernel (or sandbox, e.g. gVisor) has no io_uring",
+        errno.ENOMEM: "not enough locked memory for the ring (RLIMIT_MEMLOCK)",
+    }.get(exc.errno or 0, "")
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return f"io_uring_setup failed with {name}" + (f" ({hint})" if hint else "")
+
+
+class ThreadBackend(IOBackend):
+    """The fallback: a thread pool doing preadv/pwritev, same interface and completion rules."""
+
+    name = "threads"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, workers: int = 8,
+                 reason: str = "") -> None:
+        super().__init__(loop)
+        self.reason = reason
+        self.description = f"thread pool ({workers} threads{', ' + reason if reason else ''})"
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="uring-kv-io")
+
+    def submit(self, ops: Sequence[Op]) -> None:
+        self.inflight += len(ops)
+        for op in ops:
+            self._pool.submit(self._run, op)
+
+    def _run(self, op: Op) -> None:
+        view = view_of(op.addr, op.length)
+        try:
+            res = os.pwritev(op.fd, [view], op.offset) if op.write else os.preadv(op.fd, [view], op.offset)
+        except OSError as exc:
+            res = -(exc.errno or errno.EIO)
+        finally:
+            view.release()
+        self._loop.call_soon_threadsafe(self._finished, op, res)
+
+    def close(self) -> None:
+        if self.inflight:
+            raise RuntimeError(f"{self.inflight} thread-pool ops still in flight; drain() first")
+        self._pool.shutdown(wait=True)
+
+
+def open_backend(mode: str | None = None, *, loop: asyncio.AbstractEventLoop | None = None,
+                 async_io: bool = False, entries: int = 256, workers: int = 8) -> IOBackend:
+    """The backend for ``mode`` ('auto', 'uring' or 'threads'; default ``$URING_KV_IO`` or 'auto').
+
+    'auto' falls back to threads with one RuntimeWarning naming the cause; 'uring' raises
+    :class:`UringUnavailable` instead of falling back.
+    """
+    mode = mode or os.environ.get("URING_KV_IO") or "auto"
+    if mode not in ("auto", "uring", "threads"):
+        raise ValueError(f"I/O mode must be 'auto', 'uring' or 'threads', got {mode!r}")
+    if mode == "threads":
+        return ThreadBackend(loop, workers, reason="URING_KV_IO=threads")
+    try:
+        return UringBackend(loop, entries, async_io)
+    except UringUnavailable as exc:
+        if mode == "uring":
+            raise
+        warnings.warn(f"uring_kv: {exc}; using the thread-pool fallback", RuntimeWarning, stacklevel=2)
+        return ThreadBackend(loop, workers, reason=str(exc))

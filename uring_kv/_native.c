@@ -1,0 +1,269 @@
+/* C helpers for uring_kv, compiled by build_ffi.py (cffi API mode), liburing linked statically.
+ *
+ * Every function here batches a loop that would otherwise cost one Python->C call per item:
+ * submit N SQEs, reap N CQEs, enqueue N copies. Errors are returned as -errno (or a CUresult for
+ * the CUDA helpers); turning them into exceptions is the Python side's job. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/stat.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <liburing.h>
+
+#ifndef IO_URING_VERSION_MAJOR
+#define IO_URING_VERSION_MAJOR 2
+#define IO_URING_VERSION_MINOR 0
+#endif
+#ifndef IORING_SETUP_SINGLE_ISSUER
+#define IORING_SETUP_SINGLE_ISSUER (1U << 12)
+#endif
+#ifndef IORING_SETUP_DEFER_TASKRUN
+#define IORING_SETUP_DEFER_TASKRUN (1U << 13)
+#endif
+
+enum { UKV_OP_READ, UKV_OP_READ_FIXED, UKV_OP_WRITE, UKV_OP_WRITE_FIXED, UKV_OP_READV, UKV_OP_WRITEV,
+       UKV_OP_NOP };
+
+struct ukv_op {
+    uint8_t opcode; uint8_t sqe_flags; uint16_t buf_index; int32_t fd;
+    uint64_t addr; uint32_t len; uint64_t offset; uint64_t user_data;
+};
+
+struct ukv_ring {
+    struct io_uring ring;
+    unsigned flags, features, cq_entries;
+};
+
+int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct ukv_ring **out) {
+    struct ukv_ring *r = calloc(1, sizeof *r);
+    if (!r) return -ENOMEM;
+    struct io_uring_params p;
+    memset(&p, 0, sizeof p);
+    p.flags = flags | IORING_SETUP_CQSIZE;
+    p.cq_entries = cq_entries;
+    int ret = io_uring_queue_init_params(entries, &r->ring, &p);
+    if (ret < 0) { free(r); return ret; }
+    r->flags = p.flags;
+    r->features = p.features;
+    r->cq_entries = p.cq_entries;
+    *out = r;
+    return 0;
+}
+
+void ukv_ring_close(struct ukv_ring *r) {
+    io_uring_queue_exit(&r->ring);
+    free(r);
+}
+
+unsigned ukv_ring_info(struct ukv_ring *r, unsigned *flags, unsigned *features, unsigned *cq_entries) {
+    *flags = r->flags; *features = r->features; *cq_entries = r->cq_entries;
+    return r->ring.sq.ring_entries;
+}
+
+int ukv_register_eventfd(struct ukv_ring *r, int fd) { return io_uring_register_eventfd(&r->ring, fd); }
+
+int ukv_register_buffers(struct ukv_ring *r, const uint64_t *addrs, const uint64_t *lens, unsigned n) {
+    struct iovec *iov = calloc(n ? n : 1, sizeof *iov);
+    if (!iov) return -ENOMEM;
+    for (unsigned i = 0; i < n; i++) { iov[i].iov_base = (void *)(uintptr_t)addrs[i]; iov[i].iov_len = lens[i]; }
+    int ret = io_uring_register_buffers(&r->ring, iov, n);
+    free(iov);
+    return ret;
+}
+
+int ukv_unregister_buffers(struct ukv_ring *r) { return io_uring_unregister_buffers(&r->ring); }
+int ukv_register_files(struct ukv_ring *r, const int *fds, unsigned n) { return io_uring_register_files(&r->ring, fds, n); }
+int ukv_unregister_files(struct ukv_ring *r) { return io_uring_unregister_files(&r->ring); }
+
+static void prep(struct io_uring_sqe *sqe, const struct ukv_op *op) {
+    void *addr = (void *)(uintptr_t)op->addr;
+    switch (op->opcode) {
+    case UKV_OP_READ: io_uring_prep_read(sqe, op->fd, addr, op->len, op->offset); break;
+    case UKV_OP_READ_FIXED: io_uring_prep_read_fixed(sqe, op->fd, addr, op->len, op->offset, op->buf_index); break;
+    case UKV_OP_WRITE: io_uring_prep_write(sqe, op->fd, addr, op->len, op->offset); break;
+    case UKV_OP_WRITE_FIXED: io_uring_prep_write_fixed(sqe, op->fd, addr, op->len, op->offset, op->buf_index); break;
+    case UKV_OP_READV: io_uring_prep_readv(sqe, op->fd, (const struct iovec *)addr, op->len, op->offset); break;
+    case UKV_OP_WRITEV: io_uring_prep_writev(sqe, op->fd, (const struct iovec *)addr, op->len, op->offset); break;
+    default: io_uring_prep_nop(sqe); break;
+    }
+    sqe->flags |= op->sqe_flags;
+    io_uring_sqe_set_data64(sqe, op->user_data);
+}
+
+static int submit_retry(struct io_uring *ring) {
+    int ret;
+    do { ret = io_uring_submit(ring); } while (ret == -EINTR);
+    return ret;
+}
+
+/* Queue and submit all n ops; when the SQ fills up, submit what is queued and go on.
+ * Returns n, or -errno if the kernel refused a submission (then ops from the failing one on
+ * may not have been submitted: the caller treats the ring as broken). */
+int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n) {
+    for (unsigned i = 0; i < n;) {
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
+        if (!sqe) {
+            int ret = submit_retry(&r->ring);
+            if (ret < 0) return ret;
+            continue;
+        }
+        prep(sqe, &ops[i++]);
+    }
+    int ret = submit_retry(&r->ring);
+    return ret < 0 ? ret : (int)n;
+}
+
+/* Drain the CQ: up to max completions. With DEFER_TASKRUN, completions are only posted when this
+ * (the submitting) thread asks for them, hence io_uring_get_events first. */
+int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max) {
+    if (r->flags & IORING_SETUP_DEFER_TASKRUN) io_uring_get_events(&r->ring);
+    struct io_uring_cqe *cqes[256];
+    unsigned total = 0;
+    while (total < max) {
+        unsigned want = max - total < 256 ? max - total : 256;
+        unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, want);
+        if (!got) break;
+        for (unsigned i = 0; i < got; i++) {
+            user_data[total + i] = cqes[i]->user_data;
+            res[total + i] = cqes[i]->res;
+        }
+        io_uring_cq_advance(&r->ring, got);
+        total += got;
+    }
+    return (int)total;
+}
+
+/* 1 with the alignments filled in, 0 when the kernel or filesystem does not report them. */
+int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align) {
+#ifdef STATX_DIOALIGN
+    struct statx stx;
+    memset(&stx, 0, sizeof stx);
+    if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) != 0) return -errno;
+    if (!(stx.stx_mask & STATX_DIOALIGN) || stx.stx_dio_offset_align == 0) return 0;
+    *mem_align = stx.stx_dio_mem_align;
+    *offset_align = stx.stx_dio_offset_align;
+    return 1;
+#else
+    (void)fd; (void)mem_align; (void)offset_align;
+    return 0;
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The disk ceiling: n block I/Os at the given offsets, `depth` in flight, buffers at
+ * buf_base + slot * block_bytes (registered when `fixed`), no Python anywhere. Returns elapsed ns
+ * or -errno (a failed or short I/O included). */
+int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
+                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed) {
+    struct io_uring ring;
+    int ret = io_uring_queue_init(depth, &ring, 0);
+    if (ret < 0) return ret;
+    if (fixed) {
+        struct iovec iov = {(void *)(uintptr_t)buf_base, block_bytes * depth};
+        if (io_uring_register_buffers(&ring, &iov, 1) < 0) fixed = 0;
+    }
+    int64_t start = now_ns(), result = 0;
+    unsigned issued = 0, done = 0, inflight = 0;
+    unsigned *free_slots = calloc(depth, sizeof *free_slots);
+    unsigned nfree = depth;
+    for (unsigned i = 0; i < depth; i++) free_slots[i] = i;
+    while (done < n) {
+        while (issued < n && nfree > 0) {
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&ring);
+            if (!sqe) break;
+            unsigned slot = free_slots[--nfree];
+            void *buf = (void *)(uintptr_t)(buf_base + (uint64_t)slot * block_bytes);
+            if (write && fixed) io_uring_prep_write_fixed(sqe, fd, buf, block_bytes, offsets[issued], 0);
+            else if (write) io_uring_prep_write(sqe, fd, buf, block_bytes, offsets[issued]);
+            else if (fixed) io_uring_prep_read_fixed(sqe, fd, buf, block_bytes, offsets[issued], 0);
+            else io_uring_prep_read(sqe, fd, buf, block_bytes, offsets[issued]);
+            io_uring_sqe_set_data64(sqe, slot);
+            issued++; inflight++;
+        }
+        struct io_uring_cqe *cqe;
+        ret = io_uring_submit_and_wait(&ring, 1);
+        if (ret < 0 && ret != -EINTR) { result = ret; break; }
+        unsigned head, seen = 0;
+        io_uring_for_each_cqe(&ring, head, cqe) {
+            if (cqe->res < 0) result = cqe->res;
+            else if ((uint64_t)cqe->res != block_bytes) result = -EIO;
+            free_slots[nfree++] = (unsigned)cqe->user_data;
+            seen++;
+        }
+        io_uring_cq_advance(&ring, seen);
+        done += seen; inflight -= seen;
+        if (result < 0) break;
+    }
+    /* Never leave the loop with I/O in flight into the caller's buffer. */
+    while (inflight > 0) {
+        struct io_uring_cqe *cqe;
+        if (io_uring_wait_cqe(&ring, &cqe) < 0) break;
+        io_uring_cqe_seen(&ring, cqe);
+        inflight--;
+    }
+    free(free_slots);
+    io_uring_queue_exit(&ring);
+    return result < 0 ? result : now_ns() - start;
+}
+
+/* CPU-mode copier: move one padded block between a staging slot and every cache tensor. */
+int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+                  const uint64_t *slot_addrs, const int64_t *gpu_blocks) {
+    for (unsigned b = 0; b < nblocks; b++) {
+        for (unsigned t = 0; t < ntensors; t++) {
+            char *cache = (char *)(uintptr_t)(bases[t] + (uint64_t)gpu_blocks[b] * block_bytes[t]);
+            char *slot = (char *)(uintptr_t)(slot_addrs[b] + slot_offsets[t]);
+            if (to_slot) memcpy(slot, cache, block_bytes[t]);
+            else memcpy(cache, slot, block_bytes[t]);
+        }
+    }
+    return 0;
+}
+
+/* CUDA driver entry points, resolved at run time so the module never links libcuda. */
+typedef int (*memcpy_htod_fn)(uint64_t dst, const void *src, size_t n, void *stream);
+typedef int (*memcpy_dtoh_fn)(void *dst, uint64_t src, size_t n, void *stream);
+static memcpy_htod_fn p_htod;
+static memcpy_dtoh_fn p_dtoh;
+
+int ukv_cuda_load(void) {
+    if (p_htod && p_dtoh) return 0;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
+    if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!lib) return -ENOENT;
+    p_htod = (memcpy_htod_fn)dlsym(lib, "cuMemcpyHtoDAsync_v2");
+    p_dtoh = (memcpy_dtoh_fn)dlsym(lib, "cuMemcpyDtoHAsync_v2");
+    return p_htod && p_dtoh ? 0 : -ENOSYS;
+}
+
+/* Enqueue the copies of nblocks blocks (every tensor) on `stream`. Returns 0 or the CUresult. */
+int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+                  const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream) {
+    void *s = (void *)(uintptr_t)stream;
+    for (unsigned b = 0; b < nblocks; b++) {
+        for (unsigned t = 0; t < ntensors; t++) {
+            uint64_t dev = bases[t] + (uint64_t)gpu_blocks[b] * block_bytes[t];
+            void *host = (void *)(uintptr_t)(slot_addrs[b] + slot_offsets[t]);
+            int rc = to_slot ? p_dtoh(host, dev, block_bytes[t], s) : p_htod(dev, host, block_bytes[t], s);
+            if (rc) return rc;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,191 @@
+"""The only module that touches the compiled cffi module (``ffi``/``lib``).
+
+It owns: ring setup, batched submit and reap, buffer/file/eventfd registration, the statx DIO
+alignment query, the C disk-ceiling loop and the batched block copiers. Everything else in the
+package sees typed Python functions. It never decides policy (which flags, when to fall back):
+callers do, from the feature values it reports.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from uring_kv._native_c import ffi, lib
+
+_lib: Any = lib
+
+LIBURING_VERSION = f"{_lib.IO_URING_VERSION_MAJOR}.{_lib.IO_URING_VERSION_MINOR}"
+
+
+class Opcode(enum.IntEnum):
+    READ = _lib.UKV_OP_READ
+    READ_FIXED = _lib.UKV_OP_READ_FIXED
+    WRITE = _lib.UKV_OP_WRITE
+    WRITE_FIXED = _lib.UKV_OP_WRITE_FIXED
+    READV = _lib.UKV_OP_READV
+    WRITEV = _lib.UKV_OP_WRITEV
+    NOP = _lib.UKV_OP_NOP
+
+
+class SetupFlag(enum.IntFlag):
+    NONE = 0
+    SUBMIT_ALL = _lib.IORING_SETUP_SUBMIT_ALL
+    COOP_TASKRUN = _lib.IORING_SETUP_COOP_TASKRUN
+    SINGLE_ISSUER = _lib.IORING_SETUP_SINGLE_ISSUER
+    DEFER_TASKRUN = _lib.IORING_SETUP_DEFER_TASKRUN
+
+
+class Feature(enum.IntFlag):
+    NODROP = _lib.IORING_FEAT_NODROP
+    FAST_POLL = _lib.IORING_FEAT_FAST_POLL
+    EXT_ARG = _lib.IORING_FEAT_EXT_ARG
+    NATIVE_WORKERS = _lib.IORING_FEAT_NATIVE_WORKERS
+
+
+class SqeFlag(enum.IntFlag):
+    NONE = 0
+    FIXED_FILE = _lib.IOSQE_FIXED_FILE
+    ASYNC = _lib.IOSQE_ASYNC
+
+
+def os_error(negative_errno: int, what: str = "") -> OSError:
+    """The one place a negative kernel result becomes an exception."""
+    code = -negative_errno
+    message = os.strerror(code)
+    return OSError(code, f"{what}: {message}" if what else message)
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        raise os_error(ret, what)
+    return ret
+
+
+# One SQE's worth of request: (opcode, sqe_flags, buf_index, fd, addr, len, offset, user_data).
+SqeTuple = tuple[int, int, int, int, int, int, int, int]
+
+
+class NativeRing:
+    """One io_uring instance. Every method must be called on the thread that created it."""
+
+    def __init__(self, entries: int, cq_entries: int, flags: SetupFlag) -> None:
+        out = ffi.new("struct ukv_ring **")
+        _check(_lib.ukv_ring_open(entries, cq_entries, int(flags), out), "io_uring_setup")
+        self._ring = out[0]
+        info = ffi.new("unsigned[3]")
+        self.sq_entries = int(_lib.ukv_ring_info(self._ring, info, info + 1, info + 2))
+        self.flags = int(info[0])
+        self.features = int(info[1])
+        self.cq_entries = int(info[2])
+        self._reap_cap = 1024
+        self._reap_ud = ffi.new("uint64_t[]", self._reap_cap)
+        self._reap_res = ffi.new("int32_t[]", self._reap_cap)
+
+    def close(self) -> None:
+        if self._ring != ffi.NULL:
+            _lib.ukv_ring_close(self._ring)
+            self._ring = ffi.NULL
+
+    def register_eventfd(self, fd: int) -> None:
+        _check(_lib.ukv_register_eventfd(self._ring, fd), "io_uring_register_eventfd")
+
+    def register_buffers(self, regions: Sequence[tuple[int, int]]) -> None:
+        addrs = ffi.new("uint64_t[]", [a for a, _ in regions])
+        lens = ffi.new("uint64_t[]", [n for _, n in regions])
+        _check(_lib.ukv_register_buffers(self._ring, addrs, lens, len(regions)), "io_uring_register_buffers")
+
+    def unregister_buffers(self) -> None:
+        _check(_lib.ukv_unregister_buffers(self._ring), "io_uring_unregister_buffers")
+
+    def register_files(self, fds: Sequence[int]) -> None:
+        _check(_lib.ukv_register_files(self._ring, ffi.new("int[]", list(fds)), len(fds)), "io_uring_register_files")
+
+    def unregister_files(self) -> None:
+        _check(_lib.ukv_unregister_files(self._ring), "io_uring_unregister_files")
+
+    def submit(self, sqes: Sequence[SqeTuple]) -> None:
+        ops = ffi.new("struct ukv_op[]", len(sqes))
+        for op, (opcode, sqe_flags, buf_index, fd, addr, length, offset, user_data) in zip(ops, sqes, strict=True):
+            op.opcode = opcode
+            op.sqe_flags = sqe_flags
+            op.buf_index = buf_index
+            op.fd = fd
+            op.addr = addr
+            op.len = length
+            op.offset = offset
+            op.user_data = user_data
+        _check(_lib.ukv_submit(self._ring, ops, len(sqes)), "io_uring_submit")
+
+    def reap(self) -> list[tuple[int, int]]:
+        """Every completion the CQ holds now, as (user_data, res)."""
+        done: list[tuple[int, int]] = []
+        while True:
+            got = _lib.ukv_reap(self._ring, self._reap_ud, self._reap_res, self._reap_cap)
+            ud, res = self._reap_ud, self._reap_res
+            done.extend((ud[i], res[i]) for i in range(got))
+            if got < self._reap_cap:
+                return done
+
+
+def dio_alignment(fd: int) -> tuple[int, int] | None:
+    """(memory alignment, offset alignment) for O_DIRECT from statx, or None if not reported."""
+    mem = ffi.new("uint32_t *")
+    off = ffi.new("uint32_t *")
+    ret = _check(_lib.ukv_dio_align(fd, mem, off), "statx")
+    return (int(mem[0]), int(off[0])) if ret == 1 else None
+
+
+def ring_loop(
+    fd: int, write: bool, depth: int, block_bytes: int, offsets: Sequence[int], buf_addr: int, fixed: bool
+) -> int:
+    """Run the C ceiling loop; returns elapsed nanoseconds. ``buf_addr`` holds depth × block_bytes."""
+    arr = ffi.new("uint64_t[]", list(offsets))
+    return _check(
+        _lib.ukv_ring_loop(fd, int(write), depth, block_bytes, arr, len(offsets), buf_addr, int(fixed)),
+        "ring ceiling loop",
+    )
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed (the CUresult is in ``code``)."""
+
+    def __init__(self, code: int, what: str) -> None:
+        super().__init__(f"{what} failed with CUresult {code}")
+        self.code = code
+
+
+def load_cuda_driver() -> bool:
+    return bool(_lib.ukv_cuda_load() == 0)
+
+
+class BlockCopier:
+    """Moves whole blocks between staging slots and every cache tensor, many blocks per C call.
+
+    ``bases[t]`` is tensor t's data pointer, ``block_bytes[t]`` its bytes per block and
+    ``slot_offsets[t]`` where its part sits inside a slot. The caller keeps the tensors alive.
+    """
+
+    def __init__(self, bases: Sequence[int], block_bytes: Sequence[int], slot_offsets: Sequence[int]) -> None:
+        self._n = len(bases)
+        self._bases = ffi.new("uint64_t[]", list(bases))
+        self._block_bytes = ffi.new("uint64_t[]", list(block_bytes))
+        self._slot_offsets = ffi.new("uint64_t[]", list(slot_offsets))
+
+    def host(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int]) -> None:
+        """Copy with memcpy on the calling thread (the GIL is released meanwhile)."""
+        _lib.ukv_host_copy(
+            self._n, self._bases, self._block_bytes, self._slot_offsets, int(to_slot), len(slot_addrs),
+            ffi.new("uint64_t[]", list(slot_addrs)), ffi.new("int64_t[]", list(gpu_blocks)),
+        )
+
+    def cuda(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int], stream: int) -> None:
+        """Enqueue async copies on ``stream`` (a CUstream handle); the current context must own the tensors."""
+        rc = _lib.ukv_cuda_copy(
+            self._n, self._bases, self._block_bytes, self._slot_offsets, int(to_slot), len(slot_addrs),
+            ffi.new("uint64_t[]", list(slot_addrs)), ffi.new("int64_t[]", list(gpu_blocks)), stream,
+        )
+        if rc:
+            raise CudaError(int(rc), "cuMemcpyAsync")

@@ -1,0 +1,171 @@
+"""Staging slots: one host slab cut into slots, a Lease per slot, and a fair, load-first pool.
+
+Why a slot is only ever released by a completion
+------------------------------------------------
+A staging slot is shared by three actors that do not know about each other: the kernel (a read or
+write into the slot), the copy engine (an H2D or D2H copy reading or writing it) and the Python
+coroutine that asked for the transfer. The coroutine is the one actor that can vanish at any moment:
+it can be cancelled, raise, or return early. The classic corruption bug in KV offloaders is a slot
+handed out again because the *coroutine* finished ("the batch returned, so its slots are free") while
+the previous copy was still reading it: the next read then overwrites bytes on their way to the GPU.
+The usual fix, a blocking drain at the end of every call, costs the overlap between calls.
+
+Here a slot belongs to a :class:`Lease`, and a lease moves forward only when the actor holding it
+says it is finished:
+
+    load:   FREE -> RESERVED -> READING --(read CQE)--> COPYING --(copy event)--> FREE
+    store:  FREE -> RESERVED -> COPYING --(copy event)--> WRITING --(write CQE)--> FREE
+
+The read/write CQE handler and the bridge's copy-event handler are the only callers of
+:meth:`SlotPool.release` for a lease that has been handed to the kernel or the copy engine. The single
+exception is a RESERVED lease (granted, nothing submitted yet) whose holder was cancelled before it
+used it: nobody else has seen that slot, so it goes straight back. A failed read releases from
+READING in the CQE handler: the kernel is done with the slot, and no copy was ever issued.
+
+Acquisition is FIFO within a class, and loads (latency-critical) are served before stores. Every
+transition is checked: a wrong one raises instead of silently sharing a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import deque
+
+from uring_kv._memory import HostBuffer
+
+
+class LeaseState(enum.Enum):
+    FREE = "free"
+    RESERVED = "reserved"
+    READING = "reading"
+    COPYING = "copying"
+    WRITING = "writing"
+
+
+class Kind(enum.IntEnum):
+    LOAD = 0
+    STORE = 1
+
+
+_NEXT = {
+    (Kind.LOAD, LeaseState.RESERVED): LeaseState.READING,
+    (Kind.LOAD, LeaseState.READING): LeaseState.COPYING,
+    (Kind.STORE, LeaseState.RESERVED): LeaseState.COPYING,
+    (Kind.STORE, LeaseState.COPYING): LeaseState.WRITING,
+}
+_RELEASABLE = {
+    Kind.LOAD: (LeaseState.READING, LeaseState.COPYING),
+    Kind.STORE: (LeaseState.COPYING, LeaseState.WRITING),
+}
+
+
+class LeaseError(RuntimeError):
+    """A lease was moved out of order: a bug that could have shared a slot between two transfers."""
+
+
+class Lease:
+    """Ownership of one staging slot for one block transfer."""
+
+    __slots__ = ("addr", "index", "kind", "since", "state")
+
+    def __init__(self, index: int, addr: int) -> None:
+        self.index = index  # also the registered-buffer index of the slot
+        self.addr = addr
+        self.state = LeaseState.FREE
+        self.kind = Kind.LOAD
+        self.since = 0.0
+
+    def advance(self, expected: LeaseState) -> None:
+        """Move to the next state of this lease's pipeline; ``expected`` is the state it must be in."""
+        if self.state is not expected:
+            raise LeaseError(f"slot {self.index}: expected {expected.value}, found {self.state.value}")
+        self.state = _NEXT[(self.kind, expected)]
+
+    def __repr__(self) -> str:
+        return f"<Lease slot={self.index} {self.kind.name.lower()} {self.state.value}>"
+
+
+class SlotPool:
+    """``num_slots`` slots of ``stride`` bytes in one page-aligned slab."""
+
+    def __init__(self, num_slots: int, stride: int) -> None:
+        self.slab = HostBuffer(num_slots * stride)
+        self.stride = stride
+        self.leases = [Lease(i, self.slab.addr + i * stride) for i in range(num_slots)]
+        self._free: deque[Lease] = deque(self.leases)
+        self._waiters: tuple[deque[asyncio.Future[Lease]], deque[asyncio.Future[Lease]]] = (deque(), deque())
+        self.reissues = 0  # leases handed out, for tests and metrics
+
+    @property
+    def held(self) -> int:
+        return len(self.leases) - len(self._free)
+
+    def _grant(self, lease: Lease, kind: Kind) -> Lease:
+        lease.state = LeaseState.RESERVED
+        lease.kind = kind
+        lease.since = time.monotonic()
+        self.reissues += 1
+        return lease
+
+    def _may_bypass(self, kind: Kind) -> bool:
+        loads_waiting = any(not f.done() for f in self._waiters[Kind.LOAD])
+        if kind is Kind.LOAD:
+            return not loads_waiting
+        return not loads_waiting and not any(not f.done() for f in self._waiters[Kind.STORE])
+
+    def try_acquire(self, kind: Kind, limit: int) -> list[Lease]:
+        """Up to ``limit`` free leases now, without jumping the queue."""
+        got: list[Lease] = []
+        if self._may_bypass(kind):
+            while self._free and len(got) < limit:
+                got.append(self._grant(self._free.popleft(), kind))
+        return got
+
+    async def acquire(self, kind: Kind) -> Lease:
+        """A RESERVED lease, in FIFO order within ``kind``; loads go first."""
+        got = self.try_acquire(kind, 1)
+        if got:
+            return got[0]
+        fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        self._waiters[kind].append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release_unused(fut.result())  # granted but never used by anybody
+            raise
+
+    def release_unused(self, lease: Lease) -> None:
+        """Return a lease that is still RESERVED: nothing was submitted with it."""
+        if lease.state is not LeaseState.RESERVED:
+            raise LeaseError(f"slot {lease.index}: only a reserved lease can be returned unused, "
+                             f"found {lease.state.value}")
+        self._hand_on(lease)
+
+    def release(self, lease: Lease) -> None:
+        """Called by completion handlers only: the last user of the slot (kernel or copy) is done."""
+        if lease.state not in _RELEASABLE[lease.kind]:
+            raise LeaseError(f"slot {lease.index}: cannot release a {lease.kind.name.lower()} lease "
+                             f"in state {lease.state.value}")
+        self._hand_on(lease)
+
+    def _hand_on(self, lease: Lease) -> None:
+        lease.state = LeaseState.FREE
+        for kind in (Kind.LOAD, Kind.STORE):
+            queue = self._waiters[kind]
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(self._grant(lease, kind))
+                    return
+        self._free.append(lease)
+
+    def oldest_age(self) -> float:
+        held = [lease.since for lease in self.leases if lease.state is not LeaseState.FREE]
+        return time.monotonic() - min(held) if held else 0.0
+
+    def close(self) -> None:
+        """Free the slab. Only once no lease is held (the caller checks)."""
+        self.slab.close()
