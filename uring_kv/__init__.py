@@ -3,5 +3,5 @@
 from uring_kv._engine import Engine, TransferHandle
 from uring_kv.errors import BlockIOError, EngineClosedError, UringKVError, UringUnavailable
 
-__all__ = ["Engine", "TransferHandle", "BlockIOError", "EngineClosedError", "UringKVError", "UringUnavailable"]
+__all__ = ["BlockIOError", "Engine", "EngineClosedError", "TransferHandle", "UringKVError", "UringUnavailable"]
 __version__ = "0.1.0"

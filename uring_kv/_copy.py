@@ -80,7 +80,7 @@ class CudaCopier:
         self._bridge = bridge
         self.device = device
         with torch.cuda.device(device):
-            low, high = torch.cuda.Stream.priority_range()
+            low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
             self.load_stream = torch.cuda.Stream(device, priority=high)
             self.store_stream = torch.cuda.Stream(device, priority=low)
 
@@ -94,7 +94,7 @@ class CudaCopier:
             event = self._torch.cuda.Event(blocking=True)
             event.record(stream)
         self._bridge.watch(event, on_done)
-        return event  # type: ignore[no-any-return]
+        return event
 
     def close(self) -> None:
         self.load_stream.synchronize()

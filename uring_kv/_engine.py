@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from uring_kv._bridge import Bridge, Waitable
+from uring_kv._bridge import Bridge
 from uring_kv._copy import CudaCopier, HostCopier
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, open_backend

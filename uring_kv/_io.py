@@ -20,6 +20,7 @@ Some facts about io_uring that shape the ring backend:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import threading
@@ -79,6 +80,7 @@ class IOBackend(ABC):
 
     def register_file(self, fd: int) -> None:
         """Offer an fd for fixed-file I/O (an optimisation; ops keep naming the real fd)."""
+        return None
 
     def _finished(self, op: Op, res: int) -> None:
         self.inflight -= 1
@@ -212,10 +214,8 @@ class UringBackend(IOBackend):
 
     def _on_wakeup(self) -> None:
         self.wakeups += 1
-        try:
+        with contextlib.suppress(BlockingIOError):  # the eventfd is only a hint
             os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
         while True:
             done = self._ring.reap()
             if not done:

@@ -1,0 +1,85 @@
+"""Shared fixtures: both I/O backends, CPU and CUDA caches, and a leak check after every engine test."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import uring_kv
+from uring_kv import Engine
+from uring_kv._io import IOBackend, open_backend
+from uring_kv._native import LIBURING_VERSION
+
+IO_MODES = ["uring", "threads"]
+
+
+def pytest_report_header() -> list[str]:
+    cuda = torch.version.cuda if torch.cuda.is_available() else "not available"
+    return [
+        f"uring_kv {uring_kv.__version__} from {Path(uring_kv.__file__).parent}",
+        f"kernel {platform.release()}, liburing {LIBURING_VERSION} (static), torch {torch.__version__}, CUDA {cuda}",
+    ]
+
+
+@pytest.fixture(params=IO_MODES)
+def io_mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def backend(io_mode: str) -> AsyncIterator[IOBackend]:
+    io = open_backend(io_mode)
+    yield io
+    await io.drain()
+    io.close()
+
+
+def _devices() -> list[Any]:
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(params=_devices())
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return str(request.param)
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFactory]:
+    """Engines over tmp_path on the parametrised backend; after the test, each must be closed clean."""
+    engines: list[Engine] = []
+
+    def make(caches: Any, num_disk_blocks: int, num_slots: int = 4, **kwargs: Any) -> Engine:
+        kwargs.setdefault("io", io_mode)
+        engine = Engine(caches, tmp_path / f"kv{len(engines)}.bin", num_disk_blocks, num_slots, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        if engine._state == "open":
+            await engine.aclose()
+        if not hasattr(engine, "pool"):
+            continue  # never opened (a test of bad arguments)
+        assert engine.closed
+        assert engine.pool.held == 0, "a lease is still held after close"
+        assert engine.io.inflight == 0, "an SQE is still in flight after close"
+        assert engine.bridge.pending == 0, "a copy event is still pending after close"
+        assert not engine.bridge.alive, "the bridge thread is still running"
+        assert not os.path.exists(engine.path), "the block file was not removed"
+
+
+def random_caches(device: str, layers: int = 4, blocks: int = 32, shape: tuple[int, ...] = (3, 5),
+                  dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layer{i}": torch.randn(blocks, *shape, generator=gen).to(dtype).to(device) for i in range(layers)}

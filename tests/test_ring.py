@@ -1,0 +1,250 @@
+"""The I/O backends: the same suite over the io_uring ring and the thread-pool fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import gc
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from uring_kv import UringUnavailable
+from uring_kv._io import IOBackend, Op, ThreadBackend, UringBackend, open_backend
+from uring_kv._memory import HostBuffer
+from uring_kv._native import SetupFlag
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Iterator[int]:
+    fd = os.open(tmp_path / "data.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    yield fd
+    os.close(fd)
+
+
+def pattern(seed: int, length: int) -> bytes:
+    return bytes(((seed * 131 + i * 7) ^ (i >> 8)) & 0xFF for i in range(length))
+
+
+async def submit_all(io: IOBackend, ops: list[Op]) -> None:
+    io.submit(ops)
+    await io.drain()
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["plain", "fixed"])
+@pytest.mark.parametrize(("count", "size"), [(300, 4096), (199, int(1.3 * 4096)), (7, 1)])
+async def test_many_writes_then_reads_in_flight(backend: IOBackend, data_file: int, fixed: bool,
+                                                count: int, size: int) -> None:
+    buf = HostBuffer(count * size * 2)
+    registered = backend.register_buffers([(buf.addr, buf.size)]) if fixed else False
+    index = 0 if registered else -1
+    results: dict[int, int] = {}
+    for i in range(count):
+        buf.view[i * size:(i + 1) * size] = pattern(i, size)
+    writes = [Op(True, data_file, buf.addr + i * size, size, (count - 1 - i) * size,
+                 functools.partial(results.__setitem__, i), index) for i in range(count)]
+    await submit_all(backend, writes)
+    assert results == {i: size for i in range(count)}
+    results.clear()
+    base = count * size
+    reads = [Op(False, data_file, buf.addr + base + i * size, size, (count - 1 - i) * size,
+                functools.partial(results.__setitem__, i), index) for i in range(count)]
+    await submit_all(backend, reads)
+    assert results == {i: size for i in range(count)}
+    for i in range(count):
+        assert buf.view[base + i * size: base + (i + 1) * size] == pattern(i, size), f"read {i} wrong bytes"
+    assert backend.inflight == 0
+    buf.close()
+
+
+async def test_short_read_raises_with_offset(backend: IOBackend, data_file: int) -> None:
+    os.pwrite(data_file, b"x" * 6000, 0)
+    buf = HostBuffer(8192)
+    with pytest.raises(OSError, match=r"at offset 4096: short transfer \(1904 of 4096") as info:
+        await backend.transfer(False, data_file, buf.addr, 4096, 4096)
+    assert info.value.errno == errno.EIO
+    buf.close()
+
+
+async def test_bad_fd_raises_ebadf(backend: IOBackend) -> None:
+    buf = HostBuffer(4096)
+    fd = os.open("/dev/null", os.O_RDONLY)
+    os.close(fd)  # now certainly not open
+    with pytest.raises(OSError) as info:
+        await backend.transfer(False, fd, buf.addr, 4096, 0)
+    assert info.value.errno == errno.EBADF
+    buf.close()
+
+
+async def test_write_to_read_only_fd_raises(backend: IOBackend, tmp_path: Path) -> None:
+    (tmp_path / "ro").write_bytes(b"\0" * 4096)
+    fd = os.open(tmp_path / "ro", os.O_RDONLY)
+    buf = HostBuffer(4096)
+    with pytest.raises(OSError) as info:
+        await backend.transfer(True, fd, buf.addr, 4096, 0)
+    assert info.value.errno == errno.EBADF
+    os.close(fd)
+    buf.close()
+
+
+async def test_ring_drains_many_cqes_per_wakeup(data_file: int) -> None:
+    ring = UringBackend()
+    os.pwrite(data_file, b"y" * 4096 * 256, 0)
+    buf = HostBuffer(4096 * 256)
+    done: list[int] = []
+    ring.submit([Op(False, data_file, buf.addr + i * 4096, 4096, i * 4096, done.append) for i in range(256)])
+    await ring.drain()
+    assert done == [4096] * 256
+    assert ring.wakeups < 256 // 4, f"{ring.wakeups} eventfd wake-ups for 256 CQEs: the CQ is not drained per tick"
+    ring.close()
+    buf.close()
+
+
+async def test_ring_caps_inflight_at_cq_size_and_backlogs_the_rest(data_file: int) -> None:
+    ring = UringBackend(entries=8)
+    os.pwrite(data_file, b"z" * 512 * 100, 0)
+    buf = HostBuffer(512 * 100)
+    done: list[int] = []
+    ring.submit([Op(False, data_file, buf.addr + i * 512, 512, i * 512, done.append) for i in range(100)])
+    assert len(ring._pending) <= 32  # cq_entries = 4 × 8
+    await ring.drain()
+    assert done == [512] * 100
+    ring.close()
+    buf.close()
+
+
+async def test_cancelled_awaiter_leaves_read_owned_until_its_cqe(backend: IOBackend, data_file: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelling the task awaiting a read must not end the read: the buffer stays with the op until
+    the completion arrives, and the completion is still consumed (in-flight count back to 0)."""
+    gate = threading.Event()
+    buf = HostBuffer(4096)
+    if isinstance(backend, UringBackend):
+        read_fd, write_fd = os.pipe()  # a pipe read stays in flight until we write
+        offset = 0
+    else:
+        real_preadv = os.preadv
+
+        def gated_preadv(fd: int, buffers: Any, off: int) -> int:
+            gate.wait(10)
+            return real_preadv(fd, buffers, off)
+
+        monkeypatch.setattr(os, "preadv", gated_preadv)
+        os.pwrite(data_file, b"late" * 1024, 0)
+        read_fd, write_fd, offset = data_file, -1, 0
+
+    class Keep:
+        pass
+
+    keep = Keep()
+    alive = weakref.ref(keep)
+    task = asyncio.create_task(backend.transfer(False, read_fd, buf.addr, 4096, offset, keep=keep))
+    await asyncio.sleep(0.05)
+    del keep
+    assert backend.inflight == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.05)
+    assert backend.inflight == 1, "the op must stay in flight after its awaiter is cancelled"
+    assert alive() is not None, "the op's buffer owner was dropped before its completion"
+    if write_fd >= 0:
+        os.write(write_fd, b"late" * 1024)
+    gate.set()
+    await backend.drain()
+    assert backend.inflight == 0, "the completion was not consumed"
+    await asyncio.sleep(0.05)  # a pool worker may still be returning from the op's frame
+    gc.collect()
+    assert alive() is None
+    assert bytes(buf.view[:8]) == b"latelate", "the read landed in the buffer after the cancellation"
+    if write_fd >= 0:
+        os.close(read_fd)
+        os.close(write_fd)
+    buf.close()
+
+
+async def test_flag_ladder_falls_back_on_einval() -> None:
+    impossible = SetupFlag.DEFER_TASKRUN  # DEFER_TASKRUN without SINGLE_ISSUER is always EINVAL
+    ring = UringBackend(flags=(impossible, SetupFlag.NONE))
+    assert ring.setup_flags & SetupFlag.DEFER_TASKRUN == 0
+    assert "none" in ring.description
+    ring.close()
+
+
+async def test_default_ring_reports_its_flags() -> None:
+    ring = UringBackend()
+    assert ring.description.startswith("io_uring (")
+    assert "SUBMIT_ALL" in ring.description
+    ring.close()
+
+
+async def test_async_flag_is_reported_and_reads_still_work(data_file: int) -> None:
+    ring = UringBackend(async_io=True)
+    assert "IOSQE_ASYNC" in ring.description
+    os.pwrite(data_file, b"q" * 4096, 0)
+    buf = HostBuffer(4096)
+    assert await ring.transfer(False, data_file, buf.addr, 4096, 0) == 4096
+    assert bytes(buf.view[:4]) == b"qqqq"
+    ring.close()
+    buf.close()
+
+
+def _refuse_setup(errno_value: int) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno_value, os.strerror(errno_value))
+    return refuse
+
+
+@pytest.mark.parametrize(("code", "hint"), [(errno.EPERM, "seccomp"), (errno.ENOSYS, "gVisor")])
+async def test_setup_refused_falls_back_to_threads_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                     code: int, hint: str) -> None:
+    monkeypatch.setattr("uring_kv._io.NativeRing", _refuse_setup(code))
+    monkeypatch.delenv("URING_KV_IO", raising=False)
+    with pytest.warns(RuntimeWarning, match=hint) as record:
+        io = open_backend()
+    assert len(record) == 1
+    assert isinstance(io, ThreadBackend)
+    assert errno.errorcode[code] in io.description
+    io.close()
+
+
+async def test_forced_uring_raises_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("uring_kv._io.NativeRing", _refuse_setup(errno.EPERM))
+    monkeypatch.setenv("URING_KV_IO", "uring")
+    with pytest.raises(UringUnavailable, match="EPERM"):
+        open_backend()
+
+
+async def test_env_forces_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("URING_KV_IO", "threads")
+    io = open_backend()
+    assert isinstance(io, ThreadBackend)
+    assert "URING_KV_IO=threads" in io.description
+    io.close()
+
+
+async def test_unknown_io_mode_is_rejected() -> None:
+    with pytest.raises(ValueError, match="'auto', 'uring' or 'threads'"):
+        open_backend("fast")
+
+
+async def test_close_refuses_while_ops_are_in_flight() -> None:
+    ring = UringBackend()
+    read_fd, write_fd = os.pipe()
+    buf = HostBuffer(4096)
+    ring.submit([Op(False, read_fd, buf.addr, 4, 0, lambda res: None)])
+    with pytest.raises(RuntimeError, match="in flight"):
+        ring.close()
+    os.write(write_fd, b"done")
+    await ring.drain()
+    ring.close()
+    assert bytes(buf.view[:4]) == b"done"
+    os.close(read_fd)
+    os.close(write_fd)
+    buf.close()
