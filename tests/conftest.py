@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 from collections.abc import AsyncIterator, Callable
@@ -58,6 +59,8 @@ EngineFactory = Callable[..., Engine]
 async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFactory]:
     """Engines over tmp_path on the parametrised backend; after the test, each must be closed clean."""
     engines: list[Engine] = []
+    loop_errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
 
     def make(caches: Any, num_disk_blocks: int, num_slots: int = 4, **kwargs: Any) -> Engine:
         kwargs.setdefault("io", io_mode)
@@ -77,6 +80,7 @@ async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFacto
         assert engine.bridge.pending == 0, "a copy event is still pending after close"
         assert not engine.bridge.alive, "the bridge thread is still running"
         assert not os.path.exists(engine.path), "the block file was not removed"
+    assert not loop_errors, f"a completion handler failed: {loop_errors}"
 
 
 def random_caches(device: str, layers: int = 4, blocks: int = 32, shape: tuple[int, ...] = (3, 5),
