@@ -20,8 +20,8 @@
 
 #include <liburing.h>
 
-#ifndef IO_URING_VERSION_MAJOR
-#define IO_URING_VERSION_MAJOR 2
+#ifndef IO_URING_VERSION_MAJOR /* liburing before 2.4 has no version macros */
+#define IO_URING_VERSION_MAJOR 0
 #define IO_URING_VERSION_MINOR 0
 #endif
 #ifndef IORING_SETUP_SINGLE_ISSUER

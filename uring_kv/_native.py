@@ -17,7 +17,8 @@ from uring_kv._native_c import ffi, lib
 
 _lib: Any = lib
 
-LIBURING_VERSION = f"{_lib.IO_URING_VERSION_MAJOR}.{_lib.IO_URING_VERSION_MINOR}"
+LIBURING_VERSION = (f"{_lib.IO_URING_VERSION_MAJOR}.{_lib.IO_URING_VERSION_MINOR}"
+                    if _lib.IO_URING_VERSION_MAJOR else "older than 2.4 (no version macros)")
 
 
 class Opcode(enum.IntEnum):

@@ -1,0 +1,55 @@
+"""The bench on a tiny configuration: its JSON has every method, and every method moved the right bytes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from uring_kv._bench import BenchConfig, Workload
+from uring_kv.cli import main
+
+
+def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    code = main(["bench", "--path", str(tmp_path), "--size", "4M", "--block-size", "64K", "--layers", "4",
+                 "--batch", "16", "--batches", "2", "--slots", "4", "--threads", "2", "--json", str(out),
+                 "--plot", str(plot)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["all_verified"] is True
+    rows = result["rows"]
+    seen = {(r["op"], r["case"], r["method"]) for r in rows}
+    for case, ops in (("cold", ("load", "store")), ("hot", ("load",))):
+        for op in ops:
+            for method in ("uring_kv", "serial", "threads2", "ring ceiling"):
+                assert (op, case, method) in seen
+    for row in rows:
+        assert row["verified"] is True
+        assert row["gbps"] > 0 and row["blocks_per_s"] > 0
+        assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms"} <= row.keys()
+    mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
+    assert set(mine["ratios"]) == {"serial", "threads2", "ring ceiling"}
+    extra = result["extra"][str(64 << 10)]
+    assert extra["pinned_bytes"] == 4 * 64 * 1024
+    assert plot.stat().st_size > 0
+    assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
+    assert "verified: all" in capsys.readouterr().out
+
+
+def test_bench_detects_wrong_bytes() -> None:
+    work = Workload(BenchConfig(size=1 << 20, layers=2, batch=4, batches=1), 8192, torch.device("cpu"))
+    work.fill_gpu_as([5, 6, 7, 8], [0, 1, 2, 3])
+    assert work.verify([5, 6, 7, 8], [0, 1, 2, 3])
+    assert not work.verify([5, 6, 8, 7], [0, 1, 2, 3])
+
+
+def test_module_entry_point_runs_info() -> None:
+    done = subprocess.run([sys.executable, "-m", "uring_kv", "info"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "io_uring" in done.stdout or "thread pool" in done.stdout

@@ -1,0 +1,5 @@
+import sys
+
+from uring_kv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,501 @@
+"""``uring-kv bench``: uring_kv against the usual ways of moving KV blocks, and against ceilings.
+
+Every method runs in the same process, on the same file, with the same random batches, and every
+method's last batch is checked byte for byte: each 8-byte word of disk block ``d`` holds
+``d << 32 | word``, so a block landing in the wrong place, torn or stale is caught.
+
+Methods (load; stores mirror them):
+* ``uring_kv``: ``Engine.load_batch``.
+* ``serial``: one thread, two staging buffers, blocking preadv per block, a copy and an event per
+  slot, drained at the end of each call (the shape of vLLM's DiskBackend).
+* ``threads``: N threads each doing pread into its own bounce buffer, then the copy.
+* ``ring ceiling``: a C loop on io_uring with registered buffers, same block size and depth, no Python.
+* ``pcie ceiling`` (GPU): one large pinned copy.
+The event loop's lag is sampled by a ticker task while each method runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from uring_kv._engine import Engine
+from uring_kv._memory import HostBuffer
+from uring_kv._native import ring_loop
+
+
+@dataclass
+class BenchConfig:
+    path: str | None = None
+    size: int = 1 << 30
+    block_sizes: list[int] = field(default_factory=lambda: [128 << 10, 2 << 20])
+    layers: int = 32
+    batch: int = 256
+    batches: int = 4
+    slots: int = 32
+    threads: int = 8
+    direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
+    device: str = "auto"
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    block_bytes: int
+    method: str
+    gbps: float
+    blocks_per_s: float
+    p50_ms: float
+    p99_ms: float
+    cpu_s: float
+    lag_max_ms: float
+    lag_p99_ms: float
+    verified: bool
+    ratios: dict[str, float] = field(default_factory=dict)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class LagTicker:
+    """Samples how late a 1 ms sleep wakes up: the event loop's responsiveness."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.samples.append(max(0.0, time.perf_counter() - start - 0.001))
+
+    def __enter__(self) -> LagTicker:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def expected_words(disk_block: int, words: int, first_word: int = 0) -> torch.Tensor:
+    return (torch.arange(first_word, first_word + words, dtype=torch.int64) | (disk_block << 32))
+
+
+class Workload:
+    """The caches, the file's content and the batches for one block size."""
+
+    def __init__(self, config: BenchConfig, block_bytes: int, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        per_layer = block_bytes // config.layers
+        if per_layer % 64 or per_layer == 0:
+            raise ValueError(f"block size {block_bytes} does not split into {config.layers} layers "
+                             "of 64-byte multiples")
+        self.block_bytes = block_bytes
+        self.per_layer = per_layer
+        self.gpu_blocks = config.batch
+        self.num_disk_blocks = max(config.batch, config.size // block_bytes)
+        self.caches = [torch.empty(self.gpu_blocks, per_layer // 2, dtype=torch.bfloat16, device=device)
+                       for _ in range(config.layers)]
+        rng = random.Random(block_bytes)
+        self.load_batches = [rng.sample(range(self.num_disk_blocks), config.batch) for _ in range(config.batches)]
+        self.gpu_order = [rng.sample(range(self.gpu_blocks), config.batch) for _ in range(config.batches)]
+
+    def _pattern(self, disk_blocks: list[int], layer: int) -> torch.Tensor:
+        words = self.per_layer // 8
+        column = torch.arange(layer * words, (layer + 1) * words, dtype=torch.int64, device=self.device)
+        row = torch.tensor(disk_blocks, dtype=torch.int64, device=self.device) << 32
+        return row[:, None] | column[None, :]
+
+    def fill_gpu_as(self, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
+        index = torch.tensor(gpu_blocks, device=self.device)
+        for layer, cache in enumerate(self.caches):
+            cache.view(torch.int64).index_copy_(0, index, self._pattern(disk_blocks, layer))
+
+    def scrub(self) -> None:
+        for cache in self.caches:
+            cache.view(torch.int64).fill_(-1)
+
+    def verify(self, disk_blocks: list[int], gpu_blocks: list[int]) -> bool:
+        index = torch.tensor(gpu_blocks, device=self.device)
+        return all(torch.equal(cache.view(torch.int64).index_select(0, index), self._pattern(disk_blocks, layer))
+                   for layer, cache in enumerate(self.caches))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SerialBaseline:
+    """One thread, two staging slots, blocking I/O per block, copy + event per slot, drain per call."""
+
+    def __init__(self, work: Workload, fd: int, stride: int) -> None:
+        self.work, self.fd, self.stride = work, fd, stride
+        self.buffer = HostBuffer(2 * stride)
+        self.host = torch.frombuffer(self.buffer.view, dtype=torch.uint8)
+        self.gpu = work.device.type == "cuda"
+        if self.gpu:
+            torch.cuda.cudart().cudaHostRegister(self.buffer.addr, self.buffer.size, 0)
+            self.stream = torch.cuda.Stream(work.device)
+
+    def _slot(self, index: int) -> torch.Tensor:
+        return self.host[index * self.stride:(index + 1) * self.stride]
+
+    def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
+        events: list[Any] = [None, None]
+        per = self.work.per_layer
+        for i, (disk_block, gpu_block) in enumerate(zip(disk_blocks, gpu_blocks, strict=True)):
+            slot = i % 2
+            if events[slot] is not None:
+                events[slot].synchronize()
+            view = self.buffer.view[slot * self.stride:(slot + 1) * self.stride]
+            staging = self._slot(slot)
+            if not store:
+                os.preadv(self.fd, [view], disk_block * self.stride)
+            with torch.cuda.stream(self.stream) if self.gpu else _null():
+                for layer, cache in enumerate(self.work.caches):
+                    part = staging[layer * per:(layer + 1) * per]
+                    target = cache[gpu_block].view(torch.uint8)
+                    (part.copy_(target, non_blocking=True) if store else target.copy_(part, non_blocking=True))
+                if self.gpu:
+                    events[slot] = torch.cuda.Event()
+                    events[slot].record(self.stream)
+            if store:
+                if events[slot] is not None:
+                    events[slot].synchronize()
+                os.pwritev(self.fd, [view], disk_block * self.stride)
+        for event in events:  # the end-of-call drain
+            if event is not None:
+                event.synchronize()
+
+    def close(self) -> None:
+        if self.gpu:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.addr)
+        del self.host
+        self.buffer.close()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class ThreadPoolBaseline:
+    """N threads, each with its own bounce buffer: pread then copy (and the reverse for stores)."""
+
+    def __init__(self, work: Workload, fd: int, stride: int, threads: int) -> None:
+        self.work, self.fd, self.stride = work, fd, stride
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-pool")
+        self.local = threading.local()
+        self.buffers: list[HostBuffer] = []
+        self.gpu = work.device.type == "cuda"
+        self.lock = threading.Lock()
+
+    def _state(self) -> tuple[HostBuffer, torch.Tensor, Any]:
+        state = getattr(self.local, "state", None)
+        if state is None:
+            buffer = HostBuffer(self.stride)
+            if self.gpu:
+                torch.cuda.cudart().cudaHostRegister(buffer.addr, buffer.size, 0)
+            stream = torch.cuda.Stream(self.work.device) if self.gpu else None
+            state = (buffer, torch.frombuffer(buffer.view, dtype=torch.uint8), stream)
+            with self.lock:
+                self.buffers.append(buffer)
+            self.local.state = state
+        return state
+
+    def _one(self, store: bool, disk_block: int, gpu_block: int) -> None:
+        buffer, host, stream = self._state()
+        per = self.work.per_layer
+        if not store:
+            os.preadv(self.fd, [buffer.view], disk_block * self.stride)
+        with torch.cuda.stream(stream) if self.gpu else _null():
+            for layer, cache in enumerate(self.work.caches):
+                part = host[layer * per:(layer + 1) * per]
+                target = cache[gpu_block].view(torch.uint8)
+                (part.copy_(target, non_blocking=True) if store else target.copy_(part, non_blocking=True))
+            if self.gpu:
+                stream.synchronize()
+        if store:
+            os.pwritev(self.fd, [buffer.view], disk_block * self.stride)
+
+    def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
+        list(self.pool.map(lambda pair: self._one(store, *pair), zip(disk_blocks, gpu_blocks, strict=True)))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        for buffer in self.buffers:
+            if self.gpu:
+                torch.cuda.cudart().cudaHostUnregister(buffer.addr)
+            buffer.close()
+
+
+async def _timed(work: Workload, run: Callable[[list[int], list[int]], Awaitable[None]], op: str, case: str,
+                 method: str) -> Row:
+    config = work.config
+    latencies = []
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    with LagTicker() as ticker:
+        start = time.perf_counter()
+        for disk_blocks, gpu_blocks in zip(work.load_batches, work.gpu_order, strict=True):
+            if op == "store":
+                work.fill_gpu_as(disk_blocks, gpu_blocks)
+                _sync(work.device)
+            t0 = time.perf_counter()
+            await run(disk_blocks, gpu_blocks)
+            latencies.append(time.perf_counter() - t0)
+        elapsed = sum(latencies)
+        del start
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    moved = config.batches * config.batch
+    return Row(op, case, work.block_bytes, method, moved * work.block_bytes / elapsed / 1e9, moved / elapsed,
+               _percentile(latencies, 0.5) * 1e3, _percentile(latencies, 0.99) * 1e3,
+               (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime),
+               max(ticker.samples, default=0.0) * 1e3, _percentile(ticker.samples, 0.99) * 1e3, False)
+
+
+async def _verify_file(engine: Engine, work: Workload, disk_blocks: list[int]) -> bool:
+    """Read blocks back with plain preadv and check their words (for store rows)."""
+    stride = engine.file.stride
+    buffer = HostBuffer(stride)
+    ok = True
+    words = work.per_layer // 8
+    for disk_block in disk_blocks[:16]:
+        await asyncio.to_thread(os.preadv, engine.file.fd, [buffer.view], disk_block * stride)
+        got = torch.frombuffer(buffer.view, dtype=torch.int64)[: words * work.config.layers]
+        ok &= torch.equal(got, expected_words(disk_block, words * work.config.layers))
+        del got
+    buffer.close()
+    return ok
+
+
+async def _prefill(engine: Engine, work: Workload) -> None:
+    """Write every disk block's identity pattern through the engine itself."""
+    for first in range(0, work.num_disk_blocks, work.gpu_blocks):
+        disk_blocks = list(range(first, min(first + work.gpu_blocks, work.num_disk_blocks)))
+        gpu_blocks = list(range(len(disk_blocks)))
+        work.fill_gpu_as(disk_blocks, gpu_blocks)
+        await engine.store_batch(gpu_blocks, disk_blocks)
+
+
+async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.device, directory: str,
+                           progress: Callable[[str], None]) -> tuple[list[Row], dict[str, Any]]:
+    work = Workload(config, block_bytes, device)
+    rows: list[Row] = []
+    extra: dict[str, Any] = {}
+    cases = [("cold", True), ("hot", False)] if config.direct is None else [
+        ("cold" if config.direct else "hot", config.direct)]
+    for case, direct in cases:
+        path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
+        async with Engine(work.caches, path, work.num_disk_blocks, config.slots,
+                          direct=None if direct else False) as engine:
+            if direct and not engine.file.direct:
+                extra[f"{case}_note"] = f"O_DIRECT unavailable: {engine.file.reason}; 'cold' is buffered"
+            progress(f"{block_bytes >> 10} KiB {case}: writing {work.num_disk_blocks} blocks")
+            await _prefill(engine, work)
+            fd, stride = engine.file.fd, engine.file.stride
+            if not direct:
+                await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
+            extra["pinned_bytes"] = engine.stats()["pinned_bytes"]
+            extra["io"] = engine.stats()["io"]
+            serial = SerialBaseline(work, fd, stride)
+            pool = ThreadPoolBaseline(work, fd, stride, config.threads)
+            methods: dict[str, Callable[[bool, list[int], list[int]], Awaitable[None]]] = {
+                "uring_kv": lambda store, d, g: (engine.store_batch(g, d) if store else engine.load_batch(d, g)),
+                "serial": functools.partial(_in_thread, serial.run),
+                f"threads{config.threads}": functools.partial(_in_thread, pool.run),
+            }
+            ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
+            for op in ops:
+                for method, fn in methods.items():
+                    progress(f"{block_bytes >> 10} KiB {case} {op}: {method}")
+                    work.scrub()
+                    row = await _timed(work, functools.partial(fn, op == "store"), op, case, method)
+                    if op == "load":
+                        _sync(device)
+                        row.verified = work.verify(work.load_batches[-1], work.gpu_order[-1])
+                    else:
+                        row.verified = await _verify_file(engine, work, work.load_batches[-1])
+                    rows.append(row)
+                progress(f"{block_bytes >> 10} KiB {case} {op}: ring ceiling")
+                rows.append(await asyncio.to_thread(_ring_ceiling, work, fd, stride, op, case, config.slots))
+            serial.close()
+            pool.close()
+            extra["bridge_delivery_us_p50"] = _percentile([x / 1e3 for x in engine.bridge.delivery_ns], 0.5)
+            extra["bridge_delivery_us_p99"] = _percentile([x / 1e3 for x in engine.bridge.delivery_ns], 0.99)
+    if device.type == "cuda":
+        rows.extend(_pcie_ceiling(device))
+    _ratios(rows)
+    return rows, extra
+
+
+async def _in_thread(run: Callable[[bool, list[int], list[int]], None], store: bool, disk_blocks: list[int],
+                     gpu_blocks: list[int]) -> None:
+    await asyncio.to_thread(run, store, disk_blocks, gpu_blocks)
+
+
+def _warm(fd: int, length: int) -> None:
+    chunk = bytearray(8 << 20)
+    offset = 0
+    while offset < length:
+        got = os.preadv(fd, [chunk], offset)
+        if got <= 0:
+            break
+        offset += got
+
+
+def _ring_ceiling(work: Workload, fd: int, stride: int, op: str, case: str, depth: int) -> Row:
+    buffer = HostBuffer(stride * depth)
+    offsets = [d * stride for batch in work.load_batches for d in batch]
+    snapshot = None
+    if op == "store":  # the ceiling overwrites blocks; keep their bytes to restore the file
+        snapshot = HostBuffer(stride * len(offsets))
+        for i, offset in enumerate(offsets):
+            os.preadv(fd, [snapshot.view[i * stride:(i + 1) * stride]], offset)
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    elapsed = ring_loop(fd, op == "store", depth, stride, offsets, buffer.addr, True) / 1e9
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    if snapshot is not None:
+        for i, offset in enumerate(offsets):
+            os.pwritev(fd, [snapshot.view[i * stride:(i + 1) * stride]], offset)
+        snapshot.close()
+    buffer.close()
+    moved = len(offsets)
+    return Row(op, case, work.block_bytes, "ring ceiling", moved * work.block_bytes / elapsed / 1e9,
+               moved / elapsed, 0.0, 0.0, (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime),
+               0.0, 0.0, True)
+
+
+def _pcie_ceiling(device: torch.device) -> list[Row]:
+    size = 1 << 30
+    host = torch.empty(size, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(size, dtype=torch.uint8, device=device)
+    rows = []
+    for op, (dst, src) in (("load", (dev, host)), ("store", (host, dev))):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        elapsed = (time.perf_counter() - start) / 5
+        rows.append(Row(op, "pcie", size, "pcie ceiling", size / elapsed / 1e9, 0.0, elapsed * 1e3,
+                        elapsed * 1e3, 0.0, 0.0, 0.0, True))
+    return rows
+
+
+def _ratios(rows: list[Row]) -> None:
+    for row in rows:
+        if row.method != "uring_kv":
+            continue
+        for other in rows:
+            if (other.op, other.case, other.block_bytes) == (row.op, row.case, row.block_bytes) and other is not row:
+                row.ratios[other.method] = row.gbps / other.gbps if other.gbps else float("inf")
+        for other in rows:
+            if other.method == "pcie ceiling" and other.op == row.op:
+                row.ratios["pcie ceiling"] = row.gbps / other.gbps
+
+
+async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    directory = config.path or tempfile.gettempdir()
+    rows: list[Row] = []
+    extras: dict[str, Any] = {}
+    for block_bytes in config.block_sizes:
+        got, extra = await bench_block_size(config, block_bytes, device, directory, progress)
+        rows.extend(got)
+        extras[str(block_bytes)] = extra
+    return {
+        "machine": {"kernel": os.uname().release, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "date": time.strftime("%Y-%m-%d")},
+        "config": asdict(config),
+        "device": str(device),
+        "rows": [asdict(row) for row in rows],
+        "extra": extras,
+        "all_verified": all(row.verified for row in rows),
+        "median_lag_ms": statistics.median([r.lag_max_ms for r in rows if r.method == "uring_kv"] or [0.0]),
+    }
+
+
+def render(result: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"uring-kv bench on {result['device']} ({result['machine']['date']})")
+    for column in ("op", "case", "block", "method", "GB/s", "blocks/s", "p50 ms", "p99 ms", "CPU s",
+                   "lag max ms", "lag p99 ms", "ok", "uring_kv ÷ this"):
+        table.add_column(column, justify="right" if column not in ("op", "case", "method") else "left")
+    rows = result["rows"]
+    for row in rows:
+        mine = next((r for r in rows if r["method"] == "uring_kv" and r["op"] == row["op"]
+                     and r["case"] == row["case"] and r["block_bytes"] == row["block_bytes"]), None)
+        ratio = ""
+        if mine is not None and row["method"] in mine["ratios"]:
+            ratio = f"{mine['ratios'][row['method']]:.2f}×"
+        if row["method"] == "pcie ceiling":
+            ratio = ""
+        table.add_row(row["op"], row["case"], f"{row['block_bytes'] >> 10} KiB", row["method"], f"{row['gbps']:.2f}",
+                      f"{row['blocks_per_s']:.0f}", f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}",
+                      f"{row['cpu_s']:.2f}", f"{row['lag_max_ms']:.2f}", f"{row['lag_p99_ms']:.3f}",
+                      "yes" if row["verified"] else "NO", ratio)
+    console.print(table)
+    for size, extra in result["extra"].items():
+        console.print(f"{int(size) >> 10} KiB: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, op in zip(axes, ("load", "store"), strict=True):
+        rows = [r for r in result["rows"] if r["op"] == op and r["case"] != "pcie"]
+        labels = sorted({f"{r['method']} ({r['case']})" for r in rows})
+        sizes = sorted({r["block_bytes"] for r in rows})
+        width = 0.8 / max(1, len(labels))
+        for i, label in enumerate(labels):
+            values = [next((r["gbps"] for r in rows if f"{r['method']} ({r['case']})" == label
+                            and r["block_bytes"] == s), 0.0) for s in sizes]
+            ax.bar([x + i * width for x in range(len(sizes))], values, width, label=label)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sizes))], [f"{s >> 10} KiB" for s in sizes])
+        ax.set_ylabel("GB/s")
+        ax.set_title(op)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def to_json(result: dict[str, Any]) -> str:
+    return json.dumps(result, indent=2)
