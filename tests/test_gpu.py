@@ -1,0 +1,99 @@
+"""CUDA-only behaviour (skipped without a GPU): 32 bf16 layers byte-exact, after= ordering, the
+enqueued form's event, and pinned staging registered with CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from uring_kv import Engine
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def bf16_layers(layers: int = 32, blocks: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return {f"model.layers.{i}.kv": torch.randn(blocks, 2, 16, 8, 128, device="cuda", generator=gen,
+                                                dtype=torch.float32).to(torch.bfloat16) for i in range(layers)}
+
+
+@pytest.mark.parametrize("io", ["uring", "threads"])
+async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str) -> None:
+    caches = bf16_layers()
+    reference = {k: v.clone() for k, v in caches.items()}
+    async with Engine(caches, tmp_path / "kv.bin", 256, num_slots=16, io=io) as engine:
+        await engine.store_batch(list(range(64)), list(range(100, 164)))
+        for t in caches.values():
+            t.zero_()
+        await engine.load_batch(list(range(100, 164)), list(range(64)))
+        torch.cuda.synchronize()
+        for name in caches:
+            assert torch.equal(caches[name].view(torch.int16), reference[name].view(torch.int16)), name
+        assert engine.stats()["leases_held"] == 0
+
+
+async def test_store_after_event_sees_the_producers_bytes(tmp_path: Path) -> None:
+    """The producer writes the block on a side stream after a long sleep; a store ordered only after
+    the caller's current stream would copy the old bytes."""
+    caches = bf16_layers(layers=4, blocks=8)
+    side = torch.cuda.Stream()
+    async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=2) as engine:
+        produced = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            for t in caches.values():
+                t[3].fill_(7.0)
+            produced.record(side)
+        await engine.store_batch([3], [5], after=produced)
+        await engine.load_batch([5], [6])
+        torch.cuda.synchronize()
+        assert all(bool((t[6] == 7.0).all()) for t in caches.values())
+
+
+async def test_load_after_event_lands_after_the_last_user(tmp_path: Path) -> None:
+    caches = bf16_layers(layers=4, blocks=8)
+    side = torch.cuda.Stream()
+    async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=2) as engine:
+        for t in caches.values():
+            t[1].fill_(1.0)
+        await engine.store_batch([1], [2])
+        last_use = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            for t in caches.values():
+                t[4].fill_(9.0)  # the last user of block 4 writes it late
+            last_use.record(side)
+        await engine.load_batch([2], [4], after=last_use)
+        torch.cuda.synchronize()
+        assert all(bool((t[4] == 1.0).all()) for t in caches.values())
+
+
+async def test_enqueued_form_event_orders_a_consumer_stream(tmp_path: Path) -> None:
+    caches = bf16_layers(layers=4, blocks=8)
+    async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=2) as engine:
+        for t in caches.values():
+            t[0].fill_(3.0)
+        await engine.store_batch([0], [1])
+        handle = await engine.load_batch_async([1], [5])
+        consumer = torch.cuda.Stream()
+        handle.wait_on(consumer)
+        with torch.cuda.stream(consumer):
+            sums = [t[5].float().sum() for t in caches.values()]
+        consumer.synchronize()
+        expected = float(caches["model.layers.0.kv"][5].numel() * 3.0)
+        assert all(float(s) == expected for s in sums)
+        await handle
+
+
+async def test_staging_is_registered_pinned_memory(tmp_path: Path) -> None:
+    caches = bf16_layers(layers=2, blocks=4)
+    async with Engine(caches, tmp_path / "kv.bin", 4, num_slots=3) as engine:
+        staging = torch.frombuffer(engine.pool.slab.view, dtype=torch.uint8)
+        assert staging.is_pinned()
+        assert engine.stats()["pinned_bytes"] == 3 * engine.file.stride
+        del staging
