@@ -31,7 +31,8 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
                 assert (op, case, method) in seen
     for row in rows:
         assert row["verified"] is True
-        assert row["gbps"] > 0 and row["blocks_per_s"] > 0
+        assert row["gbps"] > 0
+        assert row["blocks_per_s"] > 0 or row["method"] == "pcie ceiling"
         assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms"} <= row.keys()
     mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
     assert set(mine["ratios"]) == {"serial", "threads2", "ring ceiling"}
@@ -53,3 +54,11 @@ def test_module_entry_point_runs_info() -> None:
     done = subprocess.run([sys.executable, "-m", "uring_kv", "info"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "io_uring" in done.stdout or "thread pool" in done.stdout
+
+
+def test_quickstart_example_runs() -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "reloaded blocks identical: True" in done.stdout
+    assert "block file removed on close: True" in done.stdout
