@@ -51,7 +51,8 @@ def test_bench_detects_wrong_bytes() -> None:
 
 
 def test_module_entry_point_runs_info() -> None:
-    done = subprocess.run([sys.executable, "-m", "uring_kv", "info"], capture_output=True, text=True, timeout=120)
+    # -P: the installed package, not the source tree in the working directory
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "info"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "io_uring" in done.stdout or "thread pool" in done.stdout
 
