@@ -119,6 +119,8 @@ int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks);
 int ukv_cuda_load(void);
+int ukv_cuda_batch_mode(int enable);
+int ukv_cuda_batch_error(void);
 int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream);

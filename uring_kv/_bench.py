@@ -324,6 +324,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
             extra["pinned_bytes"] = engine.stats()["pinned_bytes"]
             extra["io"] = engine.stats()["io"]
+            extra["copy"] = engine.stats()["copy"]
             serial = SerialBaseline(work, fd, stride)
             pool = ThreadPoolBaseline(work, fd, stride, config.threads)
             methods: dict[str, Callable[[bool, list[int], list[int]], Awaitable[None]]] = {

@@ -8,6 +8,7 @@ a worker thread doing memcpy, so the same bridge, leases and handlers run in CI 
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from uring_kv._bridge import Bridge, Waitable
-from uring_kv._native import BlockCopier, load_cuda_driver
+from uring_kv._native import BlockCopier, cuda_copy_path, load_cuda_driver
 
 
 class HostEvent:
@@ -62,6 +63,8 @@ class HostCopier:
             self._blocks.host(to_slot, slot_addrs, gpu_blocks)
             event.set()
 
+    description = "host memcpy thread"
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
@@ -77,6 +80,8 @@ class CudaCopier:
             raise RuntimeError("uring_kv: cannot load the CUDA driver (libcuda.so.1)")
         self._torch = torch
         self._blocks = blocks
+        # URING_KV_CUDA_BATCH=0 turns cuMemcpyBatchAsync off (one driver call per tensor and block).
+        self.path = cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
         self._bridge = bridge
         self.device = device
         with torch.cuda.device(device):
@@ -95,6 +100,10 @@ class CudaCopier:
             event.record(stream)
         self._bridge.watch(event, on_done)
         return event
+
+    @property
+    def description(self) -> str:
+        return cuda_copy_path()
 
     def close(self) -> None:
         self.load_stream.synchronize()

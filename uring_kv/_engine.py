@@ -259,6 +259,7 @@ class Engine:
             "active_batches": len(self._active),
             "oldest_lease_age_s": self.pool.oldest_age(),
             "io": self.io.description,
+            "copy": self.copier.description,
             "direct": self.file.direct,
             "fixed_buffers": self.io.fixed_buffers,
             "pinned_bytes": self.pool.slab.size,

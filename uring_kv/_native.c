@@ -236,11 +236,24 @@ int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
     return 0;
 }
 
-/* CUDA driver entry points, resolved at run time so the module never links libcuda. */
+/* CUDA driver entry points, resolved at run time so the module never links libcuda. The types
+ * mirror cuda.h (CUDA 12.8+) for the few fields used; CUdeviceptr is 64-bit, enums are int. */
 typedef int (*memcpy_htod_fn)(uint64_t dst, const void *src, size_t n, void *stream);
 typedef int (*memcpy_dtoh_fn)(void *dst, uint64_t src, size_t n, void *stream);
+typedef struct { int type; int id; } ukv_mem_location;
+typedef struct { int src_access_order; ukv_mem_location src_hint, dst_hint; unsigned flags; } ukv_memcpy_attributes;
+typedef int (*batch_v2_fn)(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, ukv_memcpy_attributes *attrs,
+                           size_t *attr_idxs, size_t num_attrs, void *stream);
+typedef int (*batch_v1_fn)(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, ukv_memcpy_attributes *attrs,
+                           size_t *attr_idxs, size_t num_attrs, size_t *fail_idx, void *stream);
+enum { UKV_LOC_DEVICE = 1, UKV_LOC_HOST = 2, UKV_ORDER_STREAM = 1 };
+
 static memcpy_htod_fn p_htod;
 static memcpy_dtoh_fn p_dtoh;
+static batch_v2_fn p_batch_v2;
+static batch_v1_fn p_batch_v1;
+static int use_batch = 1;      /* policy switch, set from Python */
+static int batch_failed_rc = 0; /* first error the batch call returned; then per-copy from there on */
 
 int ukv_cuda_load(void) {
     if (p_htod && p_dtoh) return 0;
@@ -249,21 +262,64 @@ int ukv_cuda_load(void) {
     if (!lib) return -ENOENT;
     p_htod = (memcpy_htod_fn)dlsym(lib, "cuMemcpyHtoDAsync_v2");
     p_dtoh = (memcpy_dtoh_fn)dlsym(lib, "cuMemcpyDtoHAsync_v2");
+    p_batch_v2 = (batch_v2_fn)dlsym(lib, "cuMemcpyBatchAsync_v2");
+    if (!p_batch_v2) p_batch_v1 = (batch_v1_fn)dlsym(lib, "cuMemcpyBatchAsync");
     return p_htod && p_dtoh ? 0 : -ENOSYS;
 }
 
-/* Enqueue the copies of nblocks blocks (every tensor) on `stream`. Returns 0 or the CUresult. */
+/* 2: cuMemcpyBatchAsync_v2 (CUDA 13), 1: cuMemcpyBatchAsync (12.8/12.9), 0: per-copy calls only. */
+int ukv_cuda_batch_mode(int enable) {
+    if (enable >= 0) use_batch = enable;
+    if (!use_batch || batch_failed_rc) return 0;
+    return p_batch_v2 ? 2 : p_batch_v1 ? 1 : 0;
+}
+
+int ukv_cuda_batch_error(void) { return batch_failed_rc; }
+
+static int copy_one_by_one(size_t n, const uint64_t *dsts, const uint64_t *srcs, const size_t *sizes, int to_host,
+                           void *stream) {
+    for (size_t i = 0; i < n; i++) {
+        int rc = to_host ? p_dtoh((void *)(uintptr_t)dsts[i], srcs[i], sizes[i], stream)
+                         : p_htod(dsts[i], (const void *)(uintptr_t)srcs[i], sizes[i], stream);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Enqueue the copies of nblocks blocks (every tensor) on `stream`: one batched driver call when the
+ * driver has cuMemcpyBatchAsync, else one call per tensor and block. Returns 0 or the CUresult. */
 int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream) {
     void *s = (void *)(uintptr_t)stream;
+    size_t n = (size_t)ntensors * nblocks;
+    uint64_t *dsts = malloc(n * sizeof *dsts), *srcs = malloc(n * sizeof *srcs);
+    size_t *sizes = malloc(n * sizeof *sizes);
+    if (!dsts || !srcs || !sizes) { free(dsts); free(srcs); free(sizes); return 2; /* CUDA_ERROR_OUT_OF_MEMORY */ }
+    size_t k = 0;
     for (unsigned b = 0; b < nblocks; b++) {
-        for (unsigned t = 0; t < ntensors; t++) {
+        for (unsigned t = 0; t < ntensors; t++, k++) {
             uint64_t dev = bases[t] + (uint64_t)gpu_blocks[b] * block_bytes[t];
-            void *host = (void *)(uintptr_t)(slot_addrs[b] + slot_offsets[t]);
-            int rc = to_slot ? p_dtoh(host, dev, block_bytes[t], s) : p_htod(dev, host, block_bytes[t], s);
-            if (rc) return rc;
+            uint64_t host = slot_addrs[b] + slot_offsets[t];
+            dsts[k] = to_slot ? host : dev;
+            srcs[k] = to_slot ? dev : host;
+            sizes[k] = block_bytes[t];
         }
     }
-    return 0;
+    int rc = -1, mode = ukv_cuda_batch_mode(-1);
+    if (mode) {
+        ukv_memcpy_attributes attr;
+        memset(&attr, 0, sizeof attr);
+        attr.src_access_order = UKV_ORDER_STREAM;
+        attr.src_hint.type = to_slot ? UKV_LOC_DEVICE : UKV_LOC_HOST;
+        attr.dst_hint.type = to_slot ? UKV_LOC_HOST : UKV_LOC_DEVICE;
+        size_t attr_idx = 0, fail_idx = 0;
+        rc = mode == 2 ? p_batch_v2(dsts, srcs, sizes, n, &attr, &attr_idx, 1, s)
+                       : p_batch_v1(dsts, srcs, sizes, n, &attr, &attr_idx, 1, &fail_idx, s);
+        /* A refused batch may have enqueued some copies; redoing them all moves the same bytes again. */
+        if (rc) batch_failed_rc = rc;
+    }
+    if (rc) rc = copy_one_by_one(n, dsts, srcs, sizes, to_slot, s);
+    free(dsts); free(srcs); free(sizes);
+    return rc;
 }

@@ -162,6 +162,17 @@ def load_cuda_driver() -> bool:
     return bool(_lib.ukv_cuda_load() == 0)
 
 
+def cuda_copy_path(enable_batch: bool | None = None) -> str:
+    """Which driver path block copies take; ``enable_batch`` switches cuMemcpyBatchAsync on or off."""
+    mode = _lib.ukv_cuda_batch_mode(-1 if enable_batch is None else int(enable_batch))
+    if mode == 2:
+        return "cuMemcpyBatchAsync_v2"
+    if mode == 1:
+        return "cuMemcpyBatchAsync"
+    error = _lib.ukv_cuda_batch_error()
+    return f"per-copy cuMemcpy*Async (batch call failed with CUresult {error})" if error else "per-copy cuMemcpy*Async"
+
+
 class BlockCopier:
     """Moves whole blocks between staging slots and every cache tensor, many blocks per C call.
 

@@ -61,7 +61,7 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
 
     from uring_kv._file import BlockFile
     from uring_kv._io import open_backend
-    from uring_kv._native import LIBURING_VERSION, load_cuda_driver
+    from uring_kv._native import LIBURING_VERSION, cuda_copy_path, load_cuda_driver
 
     facts: dict[str, Any] = {"uring_kv": __version__, "kernel": platform.release(),
                              "liburing (static)": LIBURING_VERSION}
@@ -95,7 +95,7 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
     if torch.cuda.is_available():
         facts["CUDA"] = torch.version.cuda
         facts["GPU"] = torch.cuda.get_device_name()
-        facts["CUDA driver copies"] = "yes" if load_cuda_driver() else "no (libcuda.so.1 not loadable)"
+        facts["CUDA copies"] = cuda_copy_path() if load_cuda_driver() else "unavailable (libcuda.so.1 not loadable)"
     else:
         facts["CUDA"] = "not available (CPU mode)"
     return facts, problem
