@@ -256,40 +256,28 @@ class ThreadPoolBaseline:
             buffer.close()
 
 
-async def _timed(work: Workload, run: Callable[[list[int], list[int]], Awaitable[None]], op: str, case: str,
-                 method: str) -> Row:
-    config = work.config
-    latencies = []
-    usage0 = resource.getrusage(resource.RUSAGE_SELF)
-    with LagTicker() as ticker:
-        start = time.perf_counter()
-        for disk_blocks, gpu_blocks in zip(work.load_batches, work.gpu_order, strict=True):
-            if op == "store":
-                work.fill_gpu_as(disk_blocks, gpu_blocks)
-                _sync(work.device)
-            t0 = time.perf_counter()
-            await run(disk_blocks, gpu_blocks)
-            latencies.append(time.perf_counter() - t0)
-        elapsed = sum(latencies)
-        del start
-    usage1 = resource.getrusage(resource.RUSAGE_SELF)
-    moved = config.batches * config.batch
-    return Row(op, case, work.block_bytes, method, moved * work.block_bytes / elapsed / 1e9, moved / elapsed,
-               _percentile(latencies, 0.5) * 1e3, _percentile(latencies, 0.99) * 1e3,
-               (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime),
-               max(ticker.samples, default=0.0) * 1e3, _percentile(ticker.samples, 0.99) * 1e3, False)
+@dataclass
+class _Tally:
+    latencies: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0
+    lag: list[float] = field(default_factory=list)
+    verified: bool = False
 
 
-async def _verify_file(engine: Engine, work: Workload, disk_blocks: list[int]) -> bool:
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _verify_file(fd: int, stride: int, work: Workload, disk_blocks: list[int]) -> bool:
     """Read blocks back with plain preadv and check their words (for store rows)."""
-    stride = engine.file.stride
     buffer = HostBuffer(stride)
     ok = True
-    words = work.per_layer // 8
+    words = work.per_layer // 8 * work.config.layers
     for disk_block in disk_blocks[:16]:
-        await asyncio.to_thread(os.preadv, engine.file.fd, [buffer.view], disk_block * stride)
-        got = torch.frombuffer(buffer.view, dtype=torch.int64)[: words * work.config.layers]
-        ok &= torch.equal(got, expected_words(disk_block, words * work.config.layers))
+        await asyncio.to_thread(os.preadv, fd, [buffer.view], disk_block * stride)
+        got = torch.frombuffer(buffer.view, dtype=torch.int64)[:words]
+        ok &= torch.equal(got, expected_words(disk_block, words))
         del got
     buffer.close()
     return ok
@@ -302,6 +290,78 @@ async def _prefill(engine: Engine, work: Workload) -> None:
         gpu_blocks = list(range(len(disk_blocks)))
         work.fill_gpu_as(disk_blocks, gpu_blocks)
         await engine.store_batch(gpu_blocks, disk_blocks)
+
+
+# A method moves one batch; it may return its own elapsed seconds (the ceiling times only its C loop).
+Method = Callable[[bool, list[int], list[int]], Awaitable[float | None]]
+
+
+async def _measure(work: Workload, methods: dict[str, Method], op: str, fd: int, stride: int) -> dict[str, _Tally]:
+    """Every method runs every batch; the order rotates per batch so no method always goes first
+    (on virtual disks the first reader of a block can pay a host-cache miss the others do not)."""
+    tallies = {name: _Tally() for name in methods}
+    names = list(methods)
+    store = op == "store"
+    last = len(work.load_batches) - 1
+    for round_index, (disk_blocks, gpu_blocks) in enumerate(zip(work.load_batches, work.gpu_order, strict=True)):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if store:
+                work.fill_gpu_as(disk_blocks, gpu_blocks)
+            elif round_index == last:
+                work.scrub()
+            _sync(work.device)
+            tally = tallies[name]
+            cpu0 = _cpu_seconds()
+            with LagTicker() as ticker:
+                start = time.perf_counter()
+                own = await methods[name](store, disk_blocks, gpu_blocks)
+                tally.latencies.append(time.perf_counter() - start if own is None else own)
+            tally.cpu_s += _cpu_seconds() - cpu0
+            tally.lag.extend(ticker.samples)
+            if round_index == last:
+                if store:
+                    tally.verified = name == "ring ceiling" or await _verify_file(fd, stride, work, disk_blocks)
+                else:
+                    _sync(work.device)
+                    tally.verified = name == "ring ceiling" or work.verify(disk_blocks, gpu_blocks)
+    return tallies
+
+
+def _row(work: Workload, op: str, case: str, method: str, tally: _Tally) -> Row:
+    moved = len(tally.latencies) * work.config.batch
+    elapsed = sum(tally.latencies)
+    return Row(op, case, work.block_bytes, method, moved * work.block_bytes / elapsed / 1e9, moved / elapsed,
+               _percentile(tally.latencies, 0.5) * 1e3, _percentile(tally.latencies, 0.99) * 1e3, tally.cpu_s,
+               max(tally.lag, default=0.0) * 1e3, _percentile(tally.lag, 0.99) * 1e3, tally.verified)
+
+
+class RingCeiling:
+    """The disk's ceiling: the C loop on io_uring, registered buffers, depth = slots, no Python."""
+
+    def __init__(self, fd: int, stride: int, depth: int) -> None:
+        self.fd, self.stride, self.depth = fd, stride, depth
+        self.buffer = HostBuffer(stride * depth)
+
+    def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+        offsets = [d * self.stride for d in disk_blocks]
+        if not store:
+            return ring_loop(self.fd, False, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
+        # The ceiling writes whatever its buffer holds: keep the blocks' bytes (aligned, for O_DIRECT)
+        # and put them back afterwards.
+        snapshot = HostBuffer(self.stride * len(offsets))
+        views = [snapshot.view[i * self.stride:(i + 1) * self.stride] for i in range(len(offsets))]
+        for view, offset in zip(views, offsets, strict=True):
+            os.preadv(self.fd, [view], offset)
+        elapsed = ring_loop(self.fd, True, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
+        for view, offset in zip(views, offsets, strict=True):
+            os.pwritev(self.fd, [view], offset)
+            view.release()
+        snapshot.close()
+        return elapsed
+
+    def close(self) -> None:
+        self.buffer.close()
 
 
 async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.device, directory: str,
@@ -322,34 +382,36 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             fd, stride = engine.file.fd, engine.file.stride
             if not direct:
                 await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
-            extra["pinned_bytes"] = engine.stats()["pinned_bytes"]
-            extra["io"] = engine.stats()["io"]
-            extra["copy"] = engine.stats()["copy"]
+            stats = engine.stats()
+            extra.update(pinned_bytes=stats["pinned_bytes"], io=stats["io"], copy=stats["copy"])
             serial = SerialBaseline(work, fd, stride)
             pool = ThreadPoolBaseline(work, fd, stride, config.threads)
-            methods: dict[str, Callable[[bool, list[int], list[int]], Awaitable[None]]] = {
-                "uring_kv": lambda store, d, g: (engine.store_batch(g, d) if store else engine.load_batch(d, g)),
+            ceiling = RingCeiling(fd, stride, config.slots)
+
+            async def uring_kv(store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
+                if store:
+                    await engine.store_batch(gpu_blocks, disk_blocks)
+                else:
+                    await engine.load_batch(disk_blocks, gpu_blocks)
+
+            methods: dict[str, Method] = {
+                "uring_kv": uring_kv,
                 "serial": functools.partial(_in_thread, serial.run),
                 f"threads{config.threads}": functools.partial(_in_thread, pool.run),
+                "ring ceiling": functools.partial(_in_thread_timed, ceiling.run),
             }
             ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
             for op in ops:
-                for method, fn in methods.items():
-                    progress(f"{block_bytes >> 10} KiB {case} {op}: {method}")
-                    work.scrub()
-                    row = await _timed(work, functools.partial(fn, op == "store"), op, case, method)
-                    if op == "load":
-                        _sync(device)
-                        row.verified = work.verify(work.load_batches[-1], work.gpu_order[-1])
-                    else:
-                        row.verified = await _verify_file(engine, work, work.load_batches[-1])
-                    rows.append(row)
-                progress(f"{block_bytes >> 10} KiB {case} {op}: ring ceiling")
-                rows.append(await asyncio.to_thread(_ring_ceiling, work, fd, stride, op, case, config.slots))
+                progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(methods)} (rotating)")
+                engine.bridge.delivery_ns.clear()
+                tallies = await _measure(work, methods, op, fd, stride)
+                rows.extend(_row(work, op, case, name, tally) for name, tally in tallies.items())
+                delivery = [x / 1e3 for x in engine.bridge.delivery_ns]
+                extra[f"bridge_us_{case}_{op}"] = {"p50": round(_percentile(delivery, 0.5), 1),
+                                                   "p99": round(_percentile(delivery, 0.99), 1)}
             serial.close()
             pool.close()
-            extra["bridge_delivery_us_p50"] = _percentile([x / 1e3 for x in engine.bridge.delivery_ns], 0.5)
-            extra["bridge_delivery_us_p99"] = _percentile([x / 1e3 for x in engine.bridge.delivery_ns], 0.99)
+            ceiling.close()
     if device.type == "cuda":
         rows.extend(_pcie_ceiling(device))
     _ratios(rows)
@@ -361,6 +423,11 @@ async def _in_thread(run: Callable[[bool, list[int], list[int]], None], store: b
     await asyncio.to_thread(run, store, disk_blocks, gpu_blocks)
 
 
+async def _in_thread_timed(run: Callable[[bool, list[int], list[int]], float], store: bool,
+                           disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+    return await asyncio.to_thread(run, store, disk_blocks, gpu_blocks)
+
+
 def _warm(fd: int, length: int) -> None:
     chunk = bytearray(8 << 20)
     offset = 0
@@ -369,28 +436,6 @@ def _warm(fd: int, length: int) -> None:
         if got <= 0:
             break
         offset += got
-
-
-def _ring_ceiling(work: Workload, fd: int, stride: int, op: str, case: str, depth: int) -> Row:
-    buffer = HostBuffer(stride * depth)
-    offsets = [d * stride for batch in work.load_batches for d in batch]
-    snapshot = None
-    if op == "store":  # the ceiling overwrites blocks; keep their bytes to restore the file
-        snapshot = HostBuffer(stride * len(offsets))
-        for i, offset in enumerate(offsets):
-            os.preadv(fd, [snapshot.view[i * stride:(i + 1) * stride]], offset)
-    usage0 = resource.getrusage(resource.RUSAGE_SELF)
-    elapsed = ring_loop(fd, op == "store", depth, stride, offsets, buffer.addr, True) / 1e9
-    usage1 = resource.getrusage(resource.RUSAGE_SELF)
-    if snapshot is not None:
-        for i, offset in enumerate(offsets):
-            os.pwritev(fd, [snapshot.view[i * stride:(i + 1) * stride]], offset)
-        snapshot.close()
-    buffer.close()
-    moved = len(offsets)
-    return Row(op, case, work.block_bytes, "ring ceiling", moved * work.block_bytes / elapsed / 1e9,
-               moved / elapsed, 0.0, 0.0, (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime),
-               0.0, 0.0, True)
 
 
 def _pcie_ceiling(device: torch.device) -> list[Row]:
