@@ -62,9 +62,11 @@ async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFacto
     loop_errors: list[dict[str, Any]] = []
     asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
 
-    def make(caches: Any, num_disk_blocks: int, num_slots: int = 4, **kwargs: Any) -> Engine:
+    def make(caches: Any, num_disk_blocks: int, num_slots: int = 4, path: Path | None = None,
+             **kwargs: Any) -> Engine:
         kwargs.setdefault("io", io_mode)
-        engine = Engine(caches, tmp_path / f"kv{len(engines)}.bin", num_disk_blocks, num_slots, **kwargs)
+        path = path or tmp_path / f"kv{len(engines)}.bin"
+        engine = Engine(caches, path, num_disk_blocks, num_slots, **kwargs)
         engines.append(engine)
         return engine
 

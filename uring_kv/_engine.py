@@ -234,8 +234,10 @@ class Engine:
 
             torch.cuda.cudart().cudaHostUnregister(self.pool.slab.addr)
         self.pool.close()
-        self.file.close()
-        self._state = "closed"
+        try:
+            self.file.close()
+        finally:
+            self._state = "closed"
 
     def __del__(self) -> None:
         if getattr(self, "_state", "closed") in ("open", "opening"):

@@ -96,16 +96,18 @@ class BlockFile:
         return disk_block * self.stride
 
     def _remove(self) -> None:
-        """Unlink the path if it is still our file, then close the fd."""
+        """Unlink the path if it is still our file, then close the fd (even if the unlink failed:
+        its error is raised after the fd is closed)."""
         try:
             st = os.stat(self.path, follow_symlinks=False)
             if (st.st_dev, st.st_ino) == getattr(self, "_identity", None):
                 os.unlink(self.path)
         except FileNotFoundError:
             pass
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
     def close(self) -> None:
         """Remove the file. Call only once no I/O on the fd is in flight (else the fd number may be reused)."""

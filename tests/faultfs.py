@@ -1,0 +1,156 @@
+"""A small in-memory FUSE filesystem that fails reads or writes with EIO at chosen byte ranges.
+
+Real faults, not mocks: the engine's reads and writes go through the kernel (io_uring → FUSE → this
+process), and the error the engine sees is the one the kernel returns. Needs root, /dev/fuse and
+libfuse3 (``mfusepy``); the fixture skips with the reason when any is missing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+class FaultState:
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self.bad_reads: list[tuple[int, int]] = []
+        self.bad_writes: list[tuple[int, int]] = []
+
+    def fail_reads(self, start: int, length: int) -> None:
+        with self._mutex:
+            self.bad_reads.append((start, start + length))
+
+    def fail_writes(self, start: int, length: int) -> None:
+        with self._mutex:
+            self.bad_writes.append((start, start + length))
+
+    def clear(self) -> None:
+        with self._mutex:
+            self.bad_reads.clear()
+            self.bad_writes.clear()
+
+    def hits(self, ranges: list[tuple[int, int]], offset: int, size: int) -> bool:
+        with self._mutex:
+            return any(offset < end and start < offset + size for start, end in ranges)
+
+
+def _operations(state: FaultState) -> Any:
+    import mfusepy
+
+    class FaultFS(mfusepy.Operations):  # type: ignore[misc]
+        use_ns = True  # times in integer nanoseconds
+
+        def __init__(self) -> None:
+            self.files: dict[str, bytearray] = {}
+            self.modes: dict[str, int] = {}
+            self._mutex = threading.Lock()
+            self.now = time.time_ns()
+
+        def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+            base = {"st_uid": 0, "st_gid": 0, "st_atime": self.now, "st_mtime": self.now, "st_ctime": self.now}
+            if path == "/":
+                return {**base, "st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2}
+            with self._mutex:
+                if path not in self.files:
+                    raise mfusepy.FuseOSError(errno.ENOENT)
+                return {**base, "st_mode": stat.S_IFREG | self.modes[path], "st_nlink": 1,
+                        "st_size": len(self.files[path])}
+
+        def readdir(self, path: str, fh: Any) -> list[str]:
+            return [".", "..", *(name[1:] for name in self.files)]
+
+        def create(self, path: str, mode: int, fi: Any = None) -> int:
+            with self._mutex:
+                self.files[path] = bytearray()
+                self.modes[path] = mode & 0o7777
+            return 0
+
+        def open(self, path: str, flags: int) -> int:
+            return 0
+
+        def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
+            if state.hits(state.bad_reads, offset, size):
+                raise mfusepy.FuseOSError(errno.EIO)
+            with self._mutex:
+                return bytes(self.files[path][offset:offset + size])
+
+        def write(self, path: str, data: bytes, offset: int, fh: Any) -> int:
+            if state.hits(state.bad_writes, offset, len(data)):
+                raise mfusepy.FuseOSError(errno.EIO)
+            with self._mutex:
+                buf = self.files[path]
+                if len(buf) < offset + len(data):
+                    buf.extend(bytes(offset + len(data) - len(buf)))
+                buf[offset:offset + len(data)] = data
+            return len(data)
+
+        def truncate(self, path: str, length: int, fh: Any = None) -> None:
+            with self._mutex:
+                buf = self.files[path]
+                del buf[length:]
+                buf.extend(bytes(length - len(buf)))
+
+        def unlink(self, path: str) -> None:
+            with self._mutex:
+                self.files.pop(path, None)
+
+        def chmod(self, path: str, mode: int) -> None:
+            with self._mutex:
+                self.modes[path] = mode & 0o7777
+
+        def statfs(self, path: str) -> dict[str, int]:
+            return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 1 << 20, "f_bfree": 1 << 19,
+                    "f_bavail": 1 << 19, "f_namemax": 255}
+
+    return FaultFS()
+
+
+@contextmanager
+def mounted(mountpoint: Path) -> Iterator[FaultState]:
+    """Mount the fault filesystem at ``mountpoint`` for the duration of the block."""
+    import mfusepy
+
+    state = FaultState()
+    ops = _operations(state)
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=True, direct_io=True, hard_remove=True)
+        except BaseException as exc:  # surfaced below as a skip reason
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, name="faultfs", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not os.path.ismount(mountpoint):
+        if failure or not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"could not mount the fault filesystem: {failure[0] if failure else 'timeout'}")
+        time.sleep(0.02)
+    try:
+        yield state
+    finally:
+        if subprocess.run(["umount", str(mountpoint)], check=False, capture_output=True).returncode != 0:
+            _abort_connection(mountpoint)
+        thread.join(10)
+
+
+def _abort_connection(mountpoint: Path) -> None:
+    """Last resort: abort the FUSE connection so no thread waits forever on a dead server."""
+    connections = Path("/sys/fs/fuse/connections")
+    if not any(connections.iterdir()) if connections.exists() else True:
+        subprocess.run(["mount", "-t", "fusectl", "none", str(connections)], check=False, capture_output=True)
+    device = os.stat(mountpoint).st_dev if os.path.ismount(mountpoint) else None
+    for entry in connections.glob("*/abort") if connections.exists() else []:
+        if device is None or int(entry.parent.name) == os.minor(device):
+            entry.write_text("1")
+    subprocess.run(["umount", "-l", str(mountpoint)], check=False, capture_output=True)

@@ -1,0 +1,134 @@
+"""Real faults: EIO from a FUSE filesystem, ENOSPC from a 1 MiB tmpfs, a file truncated under the
+engine. Each failing block raises an error naming it and its errno; every other block is correct,
+every slot returns, nothing already stored is harmed, and the engine stays usable."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from blocks import fill, id_caches, identify
+from conftest import EngineFactory
+
+from uring_kv import BlockIOError
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+
+
+@pytest.fixture
+def fault_fs(tmp_path: Path) -> Iterator[tuple[Path, object]]:
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs root and /dev/fuse")
+    try:
+        import faultfs
+    except OSError as exc:  # mfusepy raises OSError when libfuse3 is missing
+        pytest.skip(f"libfuse unavailable: {exc}")
+    mountpoint = tmp_path / "fuse"
+    mountpoint.mkdir()
+    try:
+        with faultfs.mounted(mountpoint) as state:
+            yield mountpoint, state
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mountpoint
+    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+async def test_eio_on_read_names_the_block(fault_fs: tuple[Path, object], make_engine: EngineFactory) -> None:
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=8)
+    engine = make_engine(caches, 8, num_slots=2, path=mountpoint / "kv.bin")
+    async with engine:
+        for gpu_block in range(8):
+            fill(caches, gpu_block, gpu_block, 1)
+        await engine.store_batch(list(range(8)), list(range(8)))
+        state.fail_reads(engine.file.offset(5), engine.file.stride)  # type: ignore[attr-defined]
+        with pytest.raises(BlockIOError, match=r"disk block\(s\) 5 \(EIO") as info:
+            await engine.load_batch([3, 5, 6], [0, 1, 2])
+        assert info.value.failures == {5: errno.EIO}
+        assert identify(caches, 0) == (3, 1, True) and identify(caches, 2) == (6, 1, True)
+        assert engine.stats()["leases_held"] == 0
+        state.clear()  # type: ignore[attr-defined]
+        await engine.load_batch([5], [1])
+        assert identify(caches, 1) == (5, 1, True)
+
+
+async def test_eio_on_write_names_the_block_and_poisons_only_it(fault_fs: tuple[Path, object],
+                                                                make_engine: EngineFactory) -> None:
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=8)
+    engine = make_engine(caches, 8, num_slots=2, path=mountpoint / "kv.bin")
+    async with engine:
+        for gpu_block in range(4):
+            fill(caches, gpu_block, gpu_block, 1)
+        state.fail_writes(engine.file.offset(2), engine.file.stride)  # type: ignore[attr-defined]
+        with pytest.raises(BlockIOError) as info:
+            await engine.store_batch([0, 1, 2, 3], [0, 1, 2, 3])
+        assert info.value.failures == {2: errno.EIO}
+        await engine.load_batch([0, 1, 3], [4, 5, 6])
+        assert [identify(caches, g) for g in (4, 5, 6)] == [(0, 1, True), (1, 1, True), (3, 1, True)]
+        with pytest.raises(BlockIOError, match="EIO"):  # never silently hand out the half-written block
+            await engine.load_batch([2], [7])
+        state.clear()  # type: ignore[attr-defined]
+        await engine.store_batch([2], [2])
+        await engine.load_batch([2], [7])
+        assert identify(caches, 7) == (2, 1, True)
+        assert engine.stats()["leases_held"] == 0
+
+
+@needs_root
+async def test_enospc_raises_and_stored_blocks_survive(tiny_tmpfs: Path, make_engine: EngineFactory) -> None:
+    caches = id_caches("cpu", layers=64, blocks=8)  # 64 layers × 244 bytes: 16 KiB blocks after padding
+    engine = make_engine(caches, 256, num_slots=4, path=tiny_tmpfs / "kv.bin")
+    async with engine:
+        stored: list[int] = []
+        failed: dict[int, int] = {}
+        for first in range(0, 256, 8):
+            disk_blocks = list(range(first, first + 8))
+            for gpu_block, disk_block in enumerate(disk_blocks):
+                fill(caches, gpu_block, disk_block, 1)
+            try:
+                await engine.store_batch(list(range(8)), disk_blocks)
+                stored.extend(disk_blocks)
+            except BlockIOError as exc:
+                failed.update(exc.failures)
+                stored.extend(d for d in disk_blocks if d not in exc.failures)
+        assert failed, "a 1 MiB tmpfs should have run out of space"
+        assert set(failed.values()) == {errno.ENOSPC}
+        assert len(stored) >= 8
+        for first in range(0, len(stored), 8):
+            chunk = stored[first:first + 8]
+            await engine.load_batch(chunk, list(range(len(chunk))))
+            assert [identify(caches, g) for g in range(len(chunk))] == [(d, 1, True) for d in chunk]
+        with pytest.raises(BlockIOError, match="ENOSPC"):
+            await engine.load_batch([next(iter(failed))], [0])
+        assert engine.stats()["leases_held"] == 0
+
+
+async def test_file_truncated_under_the_engine_raises_no_stale_bytes(make_engine: EngineFactory) -> None:
+    caches = id_caches("cpu", blocks=4)
+    async with make_engine(caches, 4, num_slots=2) as engine:
+        for gpu_block in range(4):
+            fill(caches, gpu_block, gpu_block, 1)
+        await engine.store_batch(list(range(4)), list(range(4)))
+        os.truncate(engine.path, 0)
+        for t in caches.values():
+            t.fill_(-1)
+        with pytest.raises(BlockIOError) as info:
+            await engine.load_batch([0, 1, 2, 3], [0, 1, 2, 3])
+        assert set(info.value.failures) == {0, 1, 2, 3}
+        assert all(identify(caches, g)[0] == -1 for g in range(4)), "a failed block's slot bytes reached the cache"
