@@ -176,13 +176,16 @@ class Engine:
             raise RuntimeError(f"engine is {self._state}; open() is called once")
         self._state = "opening"
         self._loop = asyncio.get_running_loop()
-        self.file = await asyncio.to_thread(BlockFile, self.path, self.block_bytes, self.num_disk_blocks,
-                                            self._direct)
+        try:
+            self.file = await asyncio.to_thread(BlockFile, self.path, self.block_bytes, self.num_disk_blocks,
+                                                self._direct)
+        except BaseException:
+            self._state = "closed"
+            raise
         try:
             self._open_rest()
         except BaseException:
-            self.file.close()
-            self._state = "closed"
+            self._undo_open()
             raise
         self._state = "open"
         return self
@@ -207,6 +210,25 @@ class Engine:
             self.copier = CudaCopier(blocks, self.bridge, self.device)
         else:
             self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
+
+    def _undo_open(self) -> None:
+        """Release what a failed open() had set up (nothing was submitted yet)."""
+        for name in ("copier", "bridge"):
+            part = getattr(self, name, None)
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.close() if name == "copier" else part.stop()
+        if getattr(self, "io", None) is not None:
+            with contextlib.suppress(Exception):
+                self.io.close()
+        if getattr(self, "_host_registered", False):
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.pool.slab.addr)
+        if getattr(self, "pool", None) is not None:
+            self.pool.close()
+        self._state = "closed"
+        self.file.close()
 
     async def __aenter__(self) -> Engine:
         return await self.open()
