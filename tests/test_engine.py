@@ -134,11 +134,14 @@ async def mixed_workload(engine: Engine, caches: dict[str, torch.Tensor], worker
     return checked, problems
 
 
-async def test_concurrent_loads_and_stores_over_four_slots(make_engine: EngineFactory, device: str) -> None:
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
+async def test_concurrent_loads_and_stores_over_four_slots(make_engine: EngineFactory, device: str,
+                                                           checksum: bool) -> None:
     """32 coroutines, 4 slots, thousands of blocks. Mutations tried: dropping the load→store hazard
-    (loads then see versions older than the floor) and releasing slots on submit (torn blocks)."""
+    (loads then see versions older than the floor) and releasing slots on submit (torn blocks).
+    With checksums on, no block may fail verification (no false positives under concurrency)."""
     caches = id_caches(device, blocks=32 * 4)
-    async with make_engine(caches, 96, num_slots=4) as engine:
+    async with make_engine(caches, 96, num_slots=4, checksum=checksum) as engine:
         checked, problems = await mixed_workload(engine, caches, workers=32, rounds=25, disk_blocks=96,
                                                  batch=4, seed=3)
         assert checked > 1500

@@ -132,3 +132,43 @@ async def test_file_truncated_under_the_engine_raises_no_stale_bytes(make_engine
             await engine.load_batch([0, 1, 2, 3], [0, 1, 2, 3])
         assert set(info.value.failures) == {0, 1, 2, 3}
         assert all(identify(caches, g)[0] == -1 for g in range(4)), "a failed block's slot bytes reached the cache"
+
+
+def _flip_a_byte(path: str, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([old[0] ^ 0x5A]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("checksum", [True, False], ids=["checksum", "no-checksum"])
+async def test_checksum_catches_bytes_changed_on_disk(make_engine: EngineFactory, checksum: bool) -> None:
+    """With checksum=True a block whose bytes changed on disk fails with EBADMSG and never reaches
+    the cache; without it the same damage is delivered silently (which is why the option exists)."""
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 8, num_slots=2, checksum=checksum) as engine:
+        for gpu_block in range(4):
+            fill(caches, gpu_block, gpu_block, 1)
+        await engine.store_batch(list(range(4)), list(range(4)))
+        await engine.load_batch(list(range(4)), list(range(4, 8)))  # sums verify when nothing changed
+        assert [identify(caches, g) for g in range(4, 8)] == [(d, 1, True) for d in range(4)]
+        _flip_a_byte(engine.path, engine.file.offset(2) + 100)
+        for t in caches.values():
+            t[4:8].fill_(-1)
+        if checksum:
+            with pytest.raises(BlockIOError, match="EBADMSG") as info:
+                await engine.load_batch(list(range(4)), list(range(4, 8)))
+            assert info.value.failures == {2: errno.EBADMSG}
+            assert identify(caches, 6)[0] == -1, "a block that failed its checksum reached the cache"
+            assert [identify(caches, g) for g in (4, 5, 7)] == [(0, 1, True), (1, 1, True), (3, 1, True)]
+            fill(caches, 0, 2, 2)
+            await engine.store_batch([0], [2])  # rewriting the block heals it
+            await engine.load_batch([2], [6])
+            assert identify(caches, 6) == (2, 2, True)
+        else:
+            await engine.load_batch(list(range(4)), list(range(4, 8)))
+            assert identify(caches, 6)[2] is False
+        assert engine.stats()["leases_held"] == 0

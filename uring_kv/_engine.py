@@ -16,6 +16,7 @@ import operator
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from uring_kv._bridge import Bridge
 from uring_kv._copy import CudaCopier, HostCopier
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, open_backend
+from uring_kv._memory import view_of
 from uring_kv._native import BlockCopier
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
@@ -36,6 +38,7 @@ class _Block:
     deps: list[asyncio.Future[None]]
     phase_done: asyncio.Future[None]  # load: its read finished; store: its write finished
     lease: Lease | None = None
+    crc: int | None = None  # checksum=True: store → sum of the bytes written; load → sum expected
 
 
 @dataclass(eq=False)
@@ -133,10 +136,13 @@ class Engine:
     ``direct``: True requires O_DIRECT, False never uses it, None (default) probes and falls back.
     ``io``: 'auto' (default, or ``$URING_KV_IO``), 'uring' or 'threads'.
     ``copy_delay``: CPU mode only, for tests: hold every host copy back this many seconds.
+    ``checksum``: keep a crc32c of every block written and verify it on load; a mismatch fails the
+    block with ``EBADMSG``. Sums live in memory, like the file itself, for the engine's lifetime.
     """
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
-                 *, direct: bool | None = None, io: str | None = None, copy_delay: float = 0.0) -> None:
+                 *, direct: bool | None = None, io: str | None = None, copy_delay: float = 0.0,
+                 checksum: bool = False) -> None:
         if isinstance(num_disk_blocks, bool) or not isinstance(num_disk_blocks, int) or num_disk_blocks < 1:
             raise ValueError(f"num_disk_blocks must be a positive integer, got {num_disk_blocks!r}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -162,6 +168,9 @@ class Engine:
         self._direct = direct
         self._io_mode = io
         self._copy_delay = copy_delay
+        self.checksum = checksum
+        self._sums: dict[int, int] = {}  # disk block → crc32c of its padded bytes, as last written
+        self._sum_pool: ThreadPoolExecutor | None = None
         self._state = "new"
         self._active: set[_Batch] = set()
         self._last_store: dict[int, asyncio.Future[None]] = {}
@@ -255,6 +264,8 @@ class Engine:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self.pool.slab.addr)
+        if self._sum_pool is not None:
+            self._sum_pool.shutdown()
         self.pool.close()
         try:
             self.file.close()
@@ -427,18 +438,43 @@ class Engine:
 
     # Completion handlers: the only places a submitted lease moves on.
     def _on_read(self, block: _Block, res: int) -> None:
+        # The expected sum is taken now, before the hazard lets a later store to this block run.
+        expected = self._sums.get(block.disk_block) if self.checksum else None
         self._phase_finished(block)
-        lease = block.lease
-        assert lease is not None
-        batch = block.batch
+        assert block.lease is not None
         if res != self.file.stride:
-            batch.failures[block.disk_block] = -res if res < 0 else errno.EIO
-            block.lease = None
-            self.pool.release(lease)  # READING → FREE: the kernel is done and no copy was issued
-            batch.to_enqueue -= 1
-            self._check_enqueued(batch)
-            self._batch_block_done(batch)
+            self._load_failed(block, -res if res < 0 else errno.EIO)
             return
+        if expected is not None:  # the lease stays READING while the verifier reads the slot
+            block.crc = expected
+            self._summing(block.lease.addr).add_done_callback(_bind(self._on_verified, block))
+            return
+        self._ready_to_copy(block)
+
+    def _summing(self, addr: int) -> asyncio.Future[int]:
+        if self._sum_pool is None:
+            self._sum_pool = ThreadPoolExecutor(2, thread_name_prefix="uring-kv-crc")
+        return self._loop.run_in_executor(self._sum_pool, _crc32c, addr, self.file.stride)
+
+    def _on_verified(self, block: _Block, done: asyncio.Future[int]) -> None:
+        if done.result() != block.crc:
+            self._load_failed(block, errno.EBADMSG)
+        else:
+            self._ready_to_copy(block)
+
+    def _load_failed(self, block: _Block, code: int) -> None:
+        lease, batch = block.lease, block.batch
+        assert lease is not None
+        batch.failures[block.disk_block] = code
+        block.lease = None
+        self.pool.release(lease)  # READING → FREE: the kernel (and verifier) are done, no copy was issued
+        batch.to_enqueue -= 1
+        self._check_enqueued(batch)
+        self._batch_block_done(batch)
+
+    def _ready_to_copy(self, block: _Block) -> None:
+        lease, batch = block.lease, block.batch
+        assert lease is not None
         lease.advance(LeaseState.READING)
         batch.ready.append(block)
         if not batch.ready[1:]:
@@ -464,6 +500,19 @@ class Engine:
                 block.lease = None
                 self._batch_block_done(batch)
             return
+        if not self.checksum:
+            self._write(group)
+            return
+        # Sum the staged bytes off the loop; the leases stay COPYING meanwhile (still being read).
+        sums = [self._summing(block.lease.addr) for block in group if block.lease is not None]
+        asyncio.gather(*sums).add_done_callback(_bind(self._on_summed, group))
+
+    def _on_summed(self, group: list[_Block], done: asyncio.Future[list[int]]) -> None:
+        for block, crc in zip(group, done.result(), strict=True):
+            block.crc = crc
+        self._write(group)
+
+    def _write(self, group: list[_Block]) -> None:
         ops = []
         for block in group:
             assert block.lease is not None
@@ -482,8 +531,13 @@ class Engine:
             code = -res if res < 0 else errno.EIO
             block.batch.failures[block.disk_block] = code
             self._invalid[block.disk_block] = code
+            self._sums.pop(block.disk_block, None)
         else:
             self._invalid.pop(block.disk_block, None)
+            if block.crc is not None:
+                self._sums[block.disk_block] = block.crc
+            else:
+                self._sums.pop(block.disk_block, None)  # written unsummed: nothing to verify against
         self._phase_finished(block)
         self._batch_block_done(block.batch)
 
@@ -520,6 +574,16 @@ class Engine:
             batch.done.set_result(None)
         if batch.failures and not batch.done.cancelled():
             batch.done.exception()  # mark retrieved: a cancelled caller may never look at it
+
+
+def _crc32c(addr: int, length: int) -> int:
+    import crc32c
+
+    view = view_of(addr, length)
+    try:
+        return int(crc32c.crc32c(view))
+    finally:
+        view.release()
 
 
 def _bind(handler: Any, arg: Any) -> Any:
