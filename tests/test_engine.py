@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from blocks import fill, id_caches, identify
 from conftest import EngineFactory, random_caches
 
 from uring_kv import BlockIOError, Engine
 from uring_kv._staging import Kind, LeaseState
+from uring_kv.testing import fill, id_caches, identify
 
 
 async def test_round_trip_is_byte_exact(make_engine: EngineFactory, device: str) -> None:
@@ -279,3 +279,46 @@ async def test_close_waits_for_in_flight_batches(make_engine: EngineFactory) -> 
     await engine.aclose()
     await store  # it finished, it was not abandoned
     assert engine.closed and not os.path.exists(engine.path)
+
+
+async def test_cancelled_store_keeps_the_store_chain(make_engine: EngineFactory) -> None:
+    """S1 (in flight) → S2 (cancelled before it started) → L, all on one disk block: L must still
+    wait for S1. Mutation tried: finishing a never-started store's hazard at once on cancellation
+    (L then reads the block before S1 has written it)."""
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 8, num_slots=2, copy_delay=0.05) as engine:
+        fill(caches, 0, 4, 1)
+        await engine.store_batch([0], [4])
+        fill(caches, 1, 4, 2)
+        s1 = asyncio.create_task(engine.store_batch([1], [4]))
+        await asyncio.sleep(0.005)  # S1 holds a slot, its copy is slow
+        fill(caches, 2, 4, 3)
+        s2 = asyncio.create_task(engine.store_batch([2], [4]))
+        await asyncio.sleep(0.005)  # S2 waits for S1
+        load = asyncio.create_task(engine.load_batch([4], [5]))
+        await asyncio.sleep(0)
+        s2.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await s2
+        await load
+        await s1
+        assert identify(caches, 5) == (4, 2, True)
+
+
+async def test_cancelled_call_returns_only_after_its_started_blocks(make_engine: EngineFactory) -> None:
+    """After a cancelled load_batch returns, the engine must not write its GPU blocks any more."""
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 8, num_slots=2, copy_delay=0.02) as engine:
+        for gpu_block in range(4):
+            fill(caches, gpu_block, gpu_block, 1)
+        await engine.store_batch(list(range(4)), list(range(4)))
+        load = asyncio.create_task(engine.load_batch(list(range(4)), list(range(4, 8))))
+        await asyncio.sleep(0.005)  # two blocks are in flight (two slots)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        for gpu_block in range(4, 8):
+            fill(caches, gpu_block, 7, 9)  # the caller reuses its blocks at once
+        await asyncio.sleep(0.1)  # time for any late copy to land
+        assert [identify(caches, g) for g in range(4, 8)] == [(7, 9, True)] * 4
+        assert engine.stats()["active_batches"] == 0

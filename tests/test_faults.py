@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from blocks import fill, id_caches, identify
 from conftest import EngineFactory
 
 from uring_kv import BlockIOError
+from uring_kv.testing import fill, id_caches, identify
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from blocks import fill, id_caches
 from conftest import EngineFactory
 
 from uring_kv import Engine, EngineClosedError
+from uring_kv.testing import fill, id_caches
 
 Call = Callable[[Any], Any]  # the calls are wrong on purpose: no static types for them
 

@@ -302,16 +302,29 @@ class Engine:
 
     # ----------------------------------------------------------------- public API
     async def load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int], after: Any = None) -> None:
-        """Read ``disk_blocks`` into ``gpu_blocks``; returns once the bytes are on the device."""
-        await (await self.load_batch_async(disk_blocks, gpu_blocks, after))
+        """Read ``disk_blocks`` into ``gpu_blocks``; returns once the bytes are on the device.
+
+        If cancelled, no further block is started, and the call returns (raising CancelledError)
+        only once the blocks already started have finished: after it, the engine no longer touches
+        ``gpu_blocks``."""
+        batch, blocks = self._load_batch(disk_blocks, gpu_blocks, after)
+        await self._run(batch, blocks, wait=True)
 
     async def store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int], after: Any = None) -> None:
-        """Write ``gpu_blocks`` to ``disk_blocks``; returns once the bytes are in the file."""
-        await (await self.store_batch_async(gpu_blocks, disk_blocks, after))
+        """Write ``gpu_blocks`` to ``disk_blocks``; returns once the bytes are in the file.
+
+        Cancellation works as for :meth:`load_batch`: the blocks already started are written (their
+        GPU bytes were already copied out) before the CancelledError propagates."""
+        batch, blocks = self._store_batch(gpu_blocks, disk_blocks, after)
+        await self._run(batch, blocks, wait=True)
 
     async def load_batch_async(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
                                after: Any = None) -> TransferHandle:
         """Like :meth:`load_batch` but returns once every copy is enqueued (see :class:`TransferHandle`)."""
+        return await self._run(*self._load_batch(disk_blocks, gpu_blocks, after), wait=False)
+
+    def _load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
+                    after: Any) -> tuple[_Batch, list[_Block]]:
         disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
         batch = self._new_batch(Kind.LOAD, after, len(disk))
         blocks = []
@@ -320,12 +333,16 @@ class Engine:
             block = _Block(d, g, batch, [store] if store is not None else [], self._loop.create_future())
             self._loads_reading.setdefault(d, []).append(block.phase_done)
             blocks.append(block)
-        return await self._drive(batch, blocks)
+        return batch, blocks
 
     async def store_batch_async(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
                                 after: Any = None) -> TransferHandle:
         """Like :meth:`store_batch` but returns once every D2H copy is enqueued; awaiting the handle
         waits for the writes."""
+        return await self._run(*self._store_batch(gpu_blocks, disk_blocks, after), wait=False)
+
+    def _store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
+                     after: Any) -> tuple[_Batch, list[_Block]]:
         disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.STORE)
         batch = self._new_batch(Kind.STORE, after, len(disk))
         blocks = []
@@ -336,7 +353,21 @@ class Engine:
             block = _Block(d, g, batch, deps, self._loop.create_future())
             self._last_store[d] = block.phase_done
             blocks.append(block)
-        return await self._drive(batch, blocks)
+        return batch, blocks
+
+    async def _run(self, batch: _Batch, blocks: list[_Block], wait: bool) -> TransferHandle:
+        try:
+            handle = await self._drive(batch, blocks)
+            if wait:
+                await handle
+            return handle
+        except asyncio.CancelledError:
+            # _drive stopped starting blocks. Those already handed to the kernel or the DMA engine
+            # still read or write the caller's GPU blocks: give control back only once they are done.
+            while not batch.done.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(batch.done)
+            raise
 
     # ----------------------------------------------------------------- internals
     def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> tuple[list[int], list[int], Any]:
@@ -395,8 +426,12 @@ class Engine:
                     started += 1
                 self._start(batch, group)
         finally:
-            for block in blocks[started:]:  # never started: unblock whoever waits on them
-                self._phase_finished(block)
+            for block in blocks[started:]:  # never started: unblock whoever waits on them, but
+                pending = [dep for dep in block.deps if not dep.done()]  # only once its own hazards
+                if pending:  # cleared: a later load may rely on this store waiting for the one before
+                    asyncio.gather(*pending).add_done_callback(_bind(self._phase_after_deps, block))
+                else:
+                    self._phase_finished(block)
                 if block.lease is not None:
                     self.pool.release_unused(block.lease)
                     block.lease = None
@@ -540,6 +575,9 @@ class Engine:
                 self._sums.pop(block.disk_block, None)  # written unsummed: nothing to verify against
         self._phase_finished(block)
         self._batch_block_done(block.batch)
+
+    def _phase_after_deps(self, block: _Block, _deps: asyncio.Future[Any]) -> None:
+        self._phase_finished(block)
 
     def _phase_finished(self, block: _Block) -> None:
         fut = block.phase_done

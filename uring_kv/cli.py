@@ -139,6 +139,19 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    import torch
+
+    from uring_kv.testing import soak
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    result = asyncio.run(soak(args.blocks, device=device, slots=args.slots, workers=args.workers,
+                              cancel_rate=args.cancel_rate, directory=args.path, io=args.io,
+                              checksum=args.checksum))
+    print(f"soak {device}: {result.summary()}")
+    return 0 if result.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="uring-kv", description="KV-cache block offload through io_uring")
     parser.add_argument("--version", action="version", version=__version__)
@@ -167,5 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="store and load a few blocks and say what happened")
     demo.add_argument("--path")
     demo.set_defaults(func=_demo)
+    soak = sub.add_parser("soak", help="concurrent loads, stores and cancellations, every block checked")
+    soak.add_argument("--blocks", type=int, default=1_000_000)
+    soak.add_argument("--slots", type=int, default=4)
+    soak.add_argument("--workers", type=int, default=16)
+    soak.add_argument("--cancel-rate", type=float, default=0.1)
+    soak.add_argument("--device", default="auto")
+    soak.add_argument("--io", default=None, help="auto, uring or threads")
+    soak.add_argument("--checksum", action="store_true")
+    soak.add_argument("--path", help="directory for the block file")
+    soak.set_defaults(func=_soak)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -1,0 +1,141 @@
+"""Helpers for testing code that uses uring_kv, and the soak run.
+
+Blocks here identify themselves: every block of every tensor is a pure function of (disk block,
+version, layer), with the disk block and version written into its first two elements, so a check
+can tell a torn block, another block's bytes, or a stale version apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ELEMS = 61  # odd on purpose: 244 bytes per tensor per block, padded by the engine
+
+
+def content(disk_block: int, version: int, layer: int, device: str) -> torch.Tensor:
+    base = torch.arange(ELEMS, dtype=torch.int64) * 2654435761 + disk_block * 1000003 + version * 7919 + layer * 31
+    block = (base % (2**31 - 1)).to(torch.int32)
+    block[0], block[1] = disk_block, version
+    return block.to(device)
+
+
+def id_caches(device: str, layers: int = 4, blocks: int = 64) -> dict[str, torch.Tensor]:
+    """Caches of int32 blocks filled with -1 (no block)."""
+    return {f"layer{i}": torch.full((blocks, ELEMS), -1, dtype=torch.int32, device=device) for i in range(layers)}
+
+
+def fill(caches: dict[str, torch.Tensor], gpu_block: int, disk_block: int, version: int) -> None:
+    for layer, t in enumerate(caches.values()):
+        t[gpu_block] = content(disk_block, version, layer, str(t.device))
+
+
+def identify(caches: dict[str, torch.Tensor], gpu_block: int) -> tuple[int, int, bool]:
+    """(disk block, version, intact) of what sits in gpu_block."""
+    tensors = list(caches.values())
+    disk_block, version = (int(x) for x in tensors[0][gpu_block, :2].tolist())
+    intact = all(torch.equal(t[gpu_block], content(disk_block, version, layer, str(t.device)))
+                 for layer, t in enumerate(tensors))
+    return disk_block, version, intact
+
+
+@dataclass
+class SoakResult:
+    blocks: int
+    checked: int
+    corrupt: int
+    leaked: int
+    pending: int
+    cancelled: int
+    errors: int
+    file_removed: bool
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"blocks={self.blocks} checked={self.checked} corrupt={self.corrupt} leaked={self.leaked} "
+                f"pending={self.pending} cancelled={self.cancelled} errors={self.errors} "
+                f"file_removed={'yes' if self.file_removed else 'NO'} seconds={self.seconds:.1f}")
+
+    @property
+    def ok(self) -> bool:
+        return self.corrupt == 0 and self.leaked == 0 and self.pending == 0 and self.errors == 0 and self.file_removed
+
+
+async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int = 16, batch: int = 8,
+               disk_blocks: int = 256, cancel_rate: float = 0.1, directory: str | None = None, seed: int = 0,
+               **engine_options: Any) -> SoakResult:
+    """Concurrent loads, stores and cancellations over few slots until ``blocks`` blocks have moved.
+
+    A load must return, for each block, a version at least that of the newest store to it that
+    completed before the load was called, at most the newest one called before it returned, intact."""
+    from uring_kv import BlockIOError, Engine
+
+    caches = id_caches(device, blocks=workers * batch)
+    path = os.path.join(directory or tempfile.gettempdir(), f"uring-kv-soak-{os.getpid()}-{seed}.bin")
+    called: dict[int, int] = defaultdict(int)
+    completed: dict[int, int] = defaultdict(int)
+    moved = checked = corrupt = cancelled = errors = 0
+    start = time.perf_counter()
+    engine = Engine(caches, path, disk_blocks, slots, **engine_options)
+
+    async def worker(index: int) -> None:
+        nonlocal moved, checked, corrupt, cancelled, errors
+        rng = random.Random(seed * 7919 + index)
+        own = list(range(index * batch, (index + 1) * batch))
+        while moved < blocks:
+            chosen = rng.sample(range(disk_blocks), batch)
+            store = rng.random() < 0.4
+            if store:
+                versions = []
+                for gpu_block, disk_block in zip(own, chosen, strict=True):
+                    called[disk_block] += 1
+                    versions.append(called[disk_block])
+                    fill(caches, gpu_block, disk_block, called[disk_block])
+                task = asyncio.ensure_future(engine.store_batch(own, chosen))
+            else:
+                floor = {d: completed[d] for d in chosen}
+                task = asyncio.ensure_future(engine.load_batch(chosen, own))
+            if rng.random() < cancel_rate:
+                await asyncio.sleep(rng.random() * 0.002)
+                task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                cancelled += 1  # the call returned: the engine is done with this worker's blocks
+                continue
+            except BlockIOError:
+                errors += 1
+                continue
+            moved += batch
+            if store:
+                for disk_block, version in zip(chosen, versions, strict=True):
+                    completed[disk_block] = max(completed[disk_block], version)
+                continue
+            for gpu_block, disk_block in zip(own, chosen, strict=True):
+                if called[disk_block] == 0:
+                    continue
+                checked += 1
+                found, version, intact = identify(caches, gpu_block)
+                if floor[disk_block] == 0 and (found, version) == (0, 0):
+                    continue  # every store to it so far was cancelled before writing: still a hole
+                if not (found == disk_block and intact and floor[disk_block] <= version <= called[disk_block]):
+                    corrupt += 1
+
+    await engine.open()
+    try:
+        await asyncio.gather(*(worker(i) for i in range(workers)))
+        while engine.stats()["active_batches"]:
+            await asyncio.sleep(0.005)
+        stats = engine.stats()
+    finally:
+        await engine.aclose()
+    return SoakResult(moved, checked, corrupt, stats["leases_held"], stats["copies_pending"] + stats["io_inflight"],
+                      cancelled, errors, not os.path.exists(path), time.perf_counter() - start)
