@@ -14,6 +14,7 @@ import contextlib
 import errno
 import operator
 import os
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from uring_kv._memory import view_of
 from uring_kv._native import BlockCopier
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
+from uring_kv.metrics import DirectionMetrics
 
 
 @dataclass(eq=False, slots=True)
@@ -52,6 +54,9 @@ class _Batch:
     failures: dict[int, int] = field(default_factory=dict)
     ready: list[_Block] = field(default_factory=list)
     last_event: Any = None
+    size: int = 0
+    skipped: int = 0  # blocks never started (the batch was cancelled)
+    created: float = field(default_factory=time.monotonic)
 
 
 class TransferHandle:
@@ -178,6 +183,7 @@ class Engine:
         self._invalid: dict[int, int] = {}  # disk block → errno of its last, failed store
         self._flush_scheduled = False
         self._ready_batches: list[_Batch] = []
+        self._metrics = {Kind.LOAD: DirectionMetrics(), Kind.STORE: DirectionMetrics()}
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> Engine:
@@ -284,6 +290,18 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._state == "closed"
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot: per direction (``load``, ``store``) bytes, blocks, failures, cancelled blocks,
+        batches and histograms of batch latency and slot wait; gauges for leases held, copies
+        pending, I/O in flight and the oldest lease's age."""
+        snapshot: dict[str, Any] = {kind.name.lower(): m.snapshot() for kind, m in self._metrics.items()}
+        is_open = hasattr(self, "pool") and self._state != "closed"
+        snapshot.update(leases_held=self.pool.held if is_open else 0,
+                        copies_pending=self.bridge.pending if is_open else 0,
+                        io_inflight=self.io.inflight if is_open else 0,
+                        oldest_lease_age_s=self.pool.oldest_age() if is_open else 0.0)
+        return snapshot
 
     def stats(self) -> dict[str, Any]:
         """Counters for tests and monitoring: leases held, I/O and copies in flight."""
@@ -398,7 +416,8 @@ class Engine:
         return disk, gpu, after
 
     def _new_batch(self, kind: Kind, after: Any, count: int) -> _Batch:
-        batch = _Batch(kind, after, count, self._loop.create_future(), self._loop.create_future(), count)
+        batch = _Batch(kind, after, count, self._loop.create_future(), self._loop.create_future(), count,
+                       size=count)
         self._active.add(batch)
         if count == 0:
             self._check_batch(batch)
@@ -413,7 +432,9 @@ class Engine:
                 for dep in block.deps:
                     if not dep.done():
                         await asyncio.shield(dep)
+                waited = time.monotonic()
                 block.lease = await self.pool.acquire(batch.kind)
+                self._metrics[batch.kind].slot_wait_s.observe(time.monotonic() - waited)
                 group = [block]
                 started += 1
                 # Take more free slots now for the following blocks whose hazards are clear.
@@ -422,6 +443,7 @@ class Engine:
                     if not more:
                         break
                     blocks[started].lease = more[0]
+                    self._metrics[batch.kind].slot_wait_s.observe(0.0)
                     group.append(blocks[started])
                     started += 1
                 self._start(batch, group)
@@ -437,6 +459,7 @@ class Engine:
                     block.lease = None
                 batch.remaining -= 1
                 batch.to_enqueue -= 1
+                batch.skipped += 1
             if started < len(blocks):
                 self._check_batch(batch)
         await asyncio.shield(batch.enqueued)
@@ -606,6 +629,14 @@ class Engine:
         if batch.remaining > 0 or batch.done.done():
             return
         self._active.discard(batch)
+        stats = self._metrics[batch.kind]
+        moved = batch.size - len(batch.failures) - batch.skipped
+        stats.batches += 1
+        stats.blocks += moved
+        stats.bytes += moved * self.block_bytes
+        stats.failed_blocks += len(batch.failures)
+        stats.cancelled_blocks += batch.skipped
+        stats.batch_latency_s.observe(time.monotonic() - batch.created)
         if batch.failures:
             batch.done.set_exception(BlockIOError("load" if batch.kind is Kind.LOAD else "store", batch.failures))
         else:
