@@ -73,7 +73,7 @@ class HostCopier:
 class CudaCopier:
     """GPU mode: H2D on a high-priority load stream, D2H on a store stream, one event per call."""
 
-    def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any) -> None:
+    def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, delay: float = 0.0) -> None:
         import torch
 
         if not load_cuda_driver():
@@ -84,6 +84,7 @@ class CudaCopier:
         self.path = cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
         self._bridge = bridge
         self.device = device
+        self._delay_cycles = int(delay * 1.5e9)  # torch.cuda._sleep counts GPU clock cycles
         with torch.cuda.device(device):
             low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
             self.load_stream = torch.cuda.Stream(device, priority=high)
@@ -95,6 +96,9 @@ class CudaCopier:
         with self._torch.cuda.device(self.device):
             if after is not None:
                 stream.wait_event(after)
+            if self._delay_cycles:
+                with self._torch.cuda.stream(stream):
+                    self._torch.cuda._sleep(self._delay_cycles)
             self._blocks.cuda(to_slot, slot_addrs, gpu_blocks, stream.cuda_stream)
             event = self._torch.cuda.Event(blocking=True)
             event.record(stream)

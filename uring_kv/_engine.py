@@ -140,7 +140,8 @@ class Engine:
     ``num_slots``: staging slots (pinned host memory = num_slots × padded block size).
     ``direct``: True requires O_DIRECT, False never uses it, None (default) probes and falls back.
     ``io``: 'auto' (default, or ``$URING_KV_IO``), 'uring' or 'threads'.
-    ``copy_delay``: CPU mode only, for tests: hold every host copy back this many seconds.
+    ``copy_delay``: for tests: hold every copy back about this many seconds (a host sleep in CPU
+    mode, a sleeping kernel on the copy stream in GPU mode), to widen race windows.
     ``checksum``: keep a crc32c of every block written and verify it on load; a mismatch fails the
     block with ``EBADMSG``. Sums live in memory, like the file itself, for the engine's lifetime.
     """
@@ -157,8 +158,6 @@ class Engine:
         self.names, self._tensors = _normalise_caches(caches)
         self.device = self._tensors[0].device
         self.gpu = self.device.type == "cuda"
-        if copy_delay and self.gpu:
-            raise ValueError("copy_delay only applies to CPU caches")
         self.num_gpu_blocks = int(self._tensors[0].shape[0])
         self._tensor_block_bytes = [t.stride(0) * t.element_size() for t in self._tensors]
         offsets, total = [], 0
@@ -222,7 +221,7 @@ class Engine:
         blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
         self.copier: HostCopier | CudaCopier
         if self.gpu:
-            self.copier = CudaCopier(blocks, self.bridge, self.device)
+            self.copier = CudaCopier(blocks, self.bridge, self.device, self._copy_delay)
         else:
             self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
 
