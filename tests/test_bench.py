@@ -63,3 +63,12 @@ def test_quickstart_example_runs() -> None:
     assert done.returncode == 0, done.stderr
     assert "reloaded blocks identical: True" in done.stdout
     assert "block file removed on close: True" in done.stdout
+
+
+def test_transformer_example_generates_identically_after_reload() -> None:
+    pytest.importorskip("transformers")
+    example = Path(__file__).resolve().parent.parent / "examples" / "transformer_offload.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "identical generation: True" in done.stdout
+    assert "control (one wrong block) differs: True" in done.stdout
