@@ -35,7 +35,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
         assert row["blocks_per_s"] > 0 or row["method"] == "pcie ceiling"
         assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms"} <= row.keys()
     mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
-    assert set(mine["ratios"]) == {"serial", "threads2", "ring ceiling"}
+    assert {"serial", "threads2", "ring ceiling"} <= set(mine["ratios"])  # (+ "pcie ceiling" on a GPU)
     extra = result["extra"][str(64 << 10)]
     assert extra["pinned_bytes"] == 4 * 64 * 1024
     assert plot.stat().st_size > 0

@@ -24,9 +24,10 @@ def fault_fs(tmp_path: Path) -> Iterator[tuple[Path, object]]:
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         pytest.skip("needs root and /dev/fuse")
     try:
-        import faultfs
-    except OSError as exc:  # mfusepy raises OSError when libfuse3 is missing
+        import mfusepy  # noqa: F401  (raises OSError when libfuse3 is missing)
+    except (ImportError, OSError) as exc:
         pytest.skip(f"libfuse unavailable: {exc}")
+    import faultfs
     mountpoint = tmp_path / "fuse"
     mountpoint.mkdir()
     try:

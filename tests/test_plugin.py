@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import entry_points
 from pathlib import Path
 
 USER_TESTS = '''
@@ -54,8 +55,10 @@ def test_device_fixture_skips_without_gpu(uring_kv_device):
 def test_plugin_fixtures_in_a_users_test_run(tmp_path: Path) -> None:
     (tmp_path / "test_user.py").write_text(textwrap.dedent(USER_TESTS))
     (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n")
-    done = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    installed = any(ep.name == "uring_kv" for ep in entry_points(group="pytest11"))
+    plugin = [] if installed else ["-p", "uring_kv.pytest_plugin"]  # a source checkout has no entry point
+    command = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     import torch
