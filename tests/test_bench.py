@@ -18,7 +18,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
     code = main(["bench", "--path", str(tmp_path), "--size", "4M", "--block-size", "64K", "--layers", "4",
-                 "--batch", "16", "--batches", "2", "--slots", "4", "--threads", "2", "--json", str(out),
+                 "--batch", "16", "--batches", "2", "--slots", "4", "--threads", "2", "--checksum", "--json", str(out),
                  "--plot", str(plot)])
     assert code == 0
     result = json.loads(out.read_text())
@@ -27,7 +27,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     seen = {(r["op"], r["case"], r["method"]) for r in rows}
     for case, ops in (("cold", ("load", "store")), ("hot", ("load",))):
         for op in ops:
-            for method in ("uring_kv", "serial", "threads2", "ring ceiling"):
+            for method in ("uring_kv", "uring_kv+crc32c", "serial", "threads2", "ring ceiling"):
                 assert (op, case, method) in seen
     for row in rows:
         assert row["verified"] is True
@@ -35,7 +35,8 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
         assert row["blocks_per_s"] > 0 or row["method"] == "pcie ceiling"
         assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms"} <= row.keys()
     mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
-    assert {"serial", "threads2", "ring ceiling"} <= set(mine["ratios"])  # (+ "pcie ceiling" on a GPU)
+    # (+ "pcie ceiling" on a GPU)
+    assert {"serial", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
     extra = result["extra"][str(64 << 10)]
     assert extra["pinned_bytes"] == 4 * 64 * 1024
     assert plot.stat().st_size > 0

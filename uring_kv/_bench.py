@@ -51,6 +51,7 @@ class BenchConfig:
     threads: int = 8
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
     device: str = "auto"
+    checksum: bool = False  # also measure uring_kv with checksum=True ("uring_kv+crc32c")
 
 
 @dataclass
@@ -374,7 +375,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
     for case, direct in cases:
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
         async with Engine(work.caches, path, work.num_disk_blocks, config.slots,
-                          direct=None if direct else False) as engine:
+                          direct=None if direct else False, checksum=config.checksum) as engine:
             if direct and not engine.file.direct:
                 extra[f"{case}_note"] = f"O_DIRECT unavailable: {engine.file.reason}; 'cold' is buffered"
             progress(f"{block_bytes >> 10} KiB {case}: writing {work.num_disk_blocks} blocks")
@@ -388,7 +389,9 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             pool = ThreadPoolBaseline(work, fd, stride, config.threads)
             ceiling = RingCeiling(fd, stride, config.slots)
 
-            async def uring_kv(store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
+            async def uring_kv(store: bool, disk_blocks: list[int], gpu_blocks: list[int],
+                               checksum: bool = False) -> None:
+                engine.checksum = checksum  # the prefill stored sums for every block when asked to
                 if store:
                     await engine.store_batch(gpu_blocks, disk_blocks)
                 else:
@@ -400,6 +403,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 f"threads{config.threads}": functools.partial(_in_thread, pool.run),
                 "ring ceiling": functools.partial(_in_thread_timed, ceiling.run),
             }
+            if config.checksum:
+                methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
             ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
             for op in ops:
                 progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(methods)} (rotating)")

@@ -30,7 +30,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig(path=args.path, size=args.size, layers=args.layers, batch=args.batch,
                          batches=args.batches, slots=args.slots, threads=args.threads, direct=args.direct,
-                         device=args.device)
+                         device=args.device, checksum=args.checksum)
     if args.block_size:
         config.block_sizes = args.block_size
     console = Console(stderr=True)
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     direct.add_argument("--direct", dest="direct", action="store_true", default=None, help="cold (O_DIRECT) only")
     direct.add_argument("--buffered", dest="direct", action="store_false", help="hot (page cache) only")
     bench.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
+    bench.add_argument("--checksum", action="store_true", help="also measure uring_kv with checksum=True")
     bench.add_argument("--json", help="write the results as JSON to this file")
     bench.add_argument("--print-json", action="store_true", help="print the JSON to stdout")
     bench.add_argument("--plot", help="write a PNG of GB/s by block size and method")
