@@ -73,3 +73,19 @@ def test_transformer_example_generates_identically_after_reload() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "identical generation: True" in done.stdout
     assert "control (one wrong block) differs: True" in done.stdout
+
+
+def test_overlap_example_runs() -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "overlap.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "results match: True" in done.stdout
+
+
+def test_server_example_answers_while_offloading() -> None:
+    pytest.importorskip("aiohttp")
+    example = Path(__file__).resolve().parent.parent / "examples" / "server.py"
+    done = subprocess.run([sys.executable, str(example), "--self-test", "100"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "100 requests while" in done.stdout and "wrong blocks: 0" in done.stdout
