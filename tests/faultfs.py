@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+WATCHDOG_SECONDS = 60
+
 
 class FaultState:
     def __init__(self) -> None:
@@ -136,21 +138,29 @@ def mounted(mountpoint: Path) -> Iterator[FaultState]:
         if failure or not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError(f"could not mount the fault filesystem: {failure[0] if failure else 'timeout'}")
         time.sleep(0.02)
+    # A watchdog: should anything wedge on this filesystem, abort the connection so every pending
+    # request fails (ENOTCONN) and the test fails instead of hanging in the kernel.
+    watchdog = threading.Timer(WATCHDOG_SECONDS, _abort_connection, [mountpoint])
+    watchdog.daemon = True
+    watchdog.start()
     try:
         yield state
     finally:
+        watchdog.cancel()
         if subprocess.run(["umount", str(mountpoint)], check=False, capture_output=True).returncode != 0:
             _abort_connection(mountpoint)
         thread.join(10)
 
 
 def _abort_connection(mountpoint: Path) -> None:
-    """Last resort: abort the FUSE connection so no thread waits forever on a dead server."""
+    """Last resort: abort the FUSE connection so no thread waits forever on a dead server.
+    Never touches the mountpoint itself (a stat there could hang too)."""
     connections = Path("/sys/fs/fuse/connections")
-    if not any(connections.iterdir()) if connections.exists() else True:
+    if not os.path.ismount(connections):
         subprocess.run(["mount", "-t", "fusectl", "none", str(connections)], check=False, capture_output=True)
-    device = os.stat(mountpoint).st_dev if os.path.ismount(mountpoint) else None
-    for entry in connections.glob("*/abort") if connections.exists() else []:
-        if device is None or int(entry.parent.name) == os.minor(device):
-            entry.write_text("1")
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        abort = connections / fields[2].split(":")[1] / "abort"
+        if fields[4] == str(mountpoint) and abort.exists():
+            abort.write_text("1")
     subprocess.run(["umount", "-l", str(mountpoint)], check=False, capture_output=True)
