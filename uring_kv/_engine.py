@@ -31,7 +31,6 @@ from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
 from uring_kv.metrics import DirectionMetrics
 
-
 _GROUP_LIMIT = 8  # blocks started per step of a batch coroutine before it yields to the loop
 
 
