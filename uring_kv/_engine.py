@@ -31,8 +31,6 @@ from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
 from uring_kv.metrics import DirectionMetrics
 
-_GROUP_LIMIT = 8  # blocks started per step of a batch coroutine before it yields to the loop
-
 
 @dataclass(eq=False, slots=True)
 class _Block:
@@ -428,8 +426,6 @@ class Engine:
         """Wait hazards, take slots, submit. Cancelling this stops new submissions only."""
         started = 0
         try:
-            if len(blocks) > _GROUP_LIMIT:
-                await asyncio.sleep(0)  # registering a large batch was one loop step; driving it is the next
             while started < len(blocks):
                 block = blocks[started]
                 for dep in block.deps:
@@ -440,10 +436,8 @@ class Engine:
                 self._metrics[batch.kind].slot_wait_s.observe(time.monotonic() - waited)
                 group = [block]
                 started += 1
-                # Take more free slots now for the following blocks whose hazards are clear, a few
-                # at a time: between groups the loop gets to run other callbacks (latency).
-                while (started < len(blocks) and len(group) < _GROUP_LIMIT
-                       and all(d.done() for d in blocks[started].deps)):
+                # Take more free slots now for the following blocks whose hazards are clear.
+                while started < len(blocks) and all(d.done() for d in blocks[started].deps):
                     more = self.pool.try_acquire(batch.kind, 1)
                     if not more:
                         break
@@ -452,8 +446,6 @@ class Engine:
                     group.append(blocks[started])
                     started += 1
                 self._start(batch, group)
-                if len(group) == _GROUP_LIMIT:
-                    await asyncio.sleep(0)
         finally:
             for block in blocks[started:]:  # never started: unblock whoever waits on them, but
                 pending = [dep for dep in block.deps if not dep.done()]  # only once its own hazards

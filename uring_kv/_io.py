@@ -118,8 +118,6 @@ class IOBackend(ABC):
         return res
 
 
-_HANDLERS_PER_STEP = 16  # completions handled per loop callback before yielding to other callbacks
-
 _FLAG_LADDER = (
     SetupFlag.SINGLE_ISSUER | SetupFlag.DEFER_TASKRUN | SetupFlag.SUBMIT_ALL,
     SetupFlag.COOP_TASKRUN | SetupFlag.SUBMIT_ALL,
@@ -165,8 +163,6 @@ class UringBackend(IOBackend):
         self._backlog: deque[Op] = deque()
         self._capacity = ring.cq_entries  # never more in flight than the CQ can hold
         self._fixed_fd: dict[int, int] = {}
-        self._reaped: deque[tuple[int, int]] = deque()
-        self._drain_scheduled = False
         self.wakeups = 0
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
@@ -220,25 +216,13 @@ class UringBackend(IOBackend):
         self.wakeups += 1
         with contextlib.suppress(BlockingIOError):  # the eventfd is only a hint
             os.eventfd_read(self._efd)
-        self._drain_step()
-
-    def _drain_step(self) -> None:
-        """Run at most ``_HANDLERS_PER_STEP`` completion handlers, then let the loop breathe; the
-        rest of the CQ is drained by the next step (the eventfd does not fire again for it)."""
-        self._drain_scheduled = False
-        if self._efd < 0:
-            return
-        if not self._reaped:
-            self._reaped.extend(self._ring.reap())
-        handled = 0
-        while self._reaped and handled < _HANDLERS_PER_STEP:
-            user_data, res = self._reaped.popleft()
-            self._finished(self._pending.pop(user_data), res)
-            handled += 1
-        self._flush()
-        if (self._reaped or handled == _HANDLERS_PER_STEP) and not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain_step)
+        while True:
+            done = self._ring.reap()
+            if not done:
+                break
+            for user_data, res in done:
+                self._finished(self._pending.pop(user_data), res)
+            self._flush()
 
     def close(self) -> None:
         if self.inflight:
