@@ -61,6 +61,20 @@ def find_liburing(
     raise SystemExit(INSTALL_HINT)
 
 
+def liburing_version(pc_text: str) -> str | None:
+    """The ``Version:`` of a liburing.pc file (liburing before 2.4 has no version macros)."""
+    for line in pc_text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "Version" and value.strip():
+            return value.strip()
+    return None
+
+
+def _archive_version(archive: str) -> str | None:
+    pc = Path(archive).parent / "pkgconfig" / "liburing.pc"
+    return liburing_version(pc.read_text()) if pc.exists() else None
+
+
 def _pkg_config() -> tuple[str, str] | None:
     if shutil.which("pkg-config") is None:
         return None
@@ -111,6 +125,7 @@ int ukv_unregister_files(struct ukv_ring *r);
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max);
 
+const char *ukv_liburing_version(void);
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
                       const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed);
@@ -133,11 +148,13 @@ def make_builder():  # type: ignore[no-untyped-def]
     from cffi import FFI
 
     include_dir, archive = find_liburing(os.environ, _pkg_config, os.path.exists)
+    version = _archive_version(archive)
     builder = FFI()
     builder.cdef(CDEF)
     builder.set_source(
         "uring_kv._native_c",
         SOURCE,
+        define_macros=[("UKV_LIBURING_VERSION", f'"{version}"')] if version else [],
         include_dirs=[include_dir],
         extra_objects=[archive],
         libraries=["dl"],

@@ -62,6 +62,11 @@ def test_headers_without_static_archive_say_so() -> None:
         build.find_liburing({}, lambda: None, exists_in("/usr/include/liburing.h", "/usr/lib/liburing.so"))
 
 
+def test_version_read_from_pkg_config_file() -> None:
+    assert build.liburing_version("prefix=/usr\nName: liburing\nVersion: 2.3\nLibs: -luring\n") == "2.3"
+    assert build.liburing_version("Name: liburing\n") is None
+
+
 @pytest.mark.skipif(shutil.which("ldd") is None, reason="needs ldd")
 def test_installed_module_links_liburing_statically() -> None:
     assert native_c.__file__ is not None

@@ -143,6 +143,16 @@ int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max
     return (int)total;
 }
 
+/* The liburing version the module was linked with: from its pkg-config file at build time, else the
+ * header's macros (2.4+), else empty. */
+const char *ukv_liburing_version(void) {
+#if defined(UKV_LIBURING_VERSION)
+    return UKV_LIBURING_VERSION;
+#else
+    return "";
+#endif
+}
+
 /* 1 with the alignments filled in, 0 when the kernel or filesystem does not report them. */
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align) {
 #ifdef STATX_DIOALIGN

@@ -17,8 +17,9 @@ from uring_kv._native_c import ffi, lib
 
 _lib: Any = lib
 
-LIBURING_VERSION = (f"{_lib.IO_URING_VERSION_MAJOR}.{_lib.IO_URING_VERSION_MINOR}"
-                    if _lib.IO_URING_VERSION_MAJOR else "older than 2.4 (no version macros)")
+LIBURING_VERSION = (ffi.string(_lib.ukv_liburing_version()).decode()
+                    or (f"{_lib.IO_URING_VERSION_MAJOR}.{_lib.IO_URING_VERSION_MINOR}" if _lib.IO_URING_VERSION_MAJOR
+                        else "unknown (older than 2.4, no pkg-config file)"))
 
 
 class Opcode(enum.IntEnum):
