@@ -89,3 +89,29 @@ def test_server_example_answers_while_offloading() -> None:
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "100 requests while" in done.stdout and "wrong blocks: 0" in done.stdout
+
+
+def test_info_exits_nonzero_with_one_line_reason(tmp_path: Path) -> None:
+    unwritable = tmp_path / "missing" / "dir"
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "info", "--path", str(unwritable)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    reason = done.stderr.strip().splitlines()
+    assert len(reason) == 1 and reason[0].startswith("uring_kv cannot run here:") and "missing" in reason[0]
+
+
+def test_info_names_the_fallback_cause(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import errno
+    import warnings
+
+    from uring_kv.cli import info
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr("uring_kv._io.NativeRing", refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        facts, problem = info(str(tmp_path))
+    assert "thread pool" in facts["io"] and "EPERM" in facts["io"] and "seccomp" in facts["io"]
+    assert problem is None  # the fallback can run
