@@ -17,6 +17,7 @@ The event loop's lag is sampled by a ticker task while each method runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -100,8 +101,11 @@ class LagTicker:
         self._task.cancel()
 
 
-def expected_words(disk_block: int, words: int, first_word: int = 0) -> torch.Tensor:
-    return (torch.arange(first_word, first_word + words, dtype=torch.int64) | (disk_block << 32))
+def identity_words(disk_blocks: list[int], first_word: int, words: int, device: torch.device | str) -> torch.Tensor:
+    """[len(disk_blocks), words] int64: word w of disk block d holds ``d << 32 | w``."""
+    column = torch.arange(first_word, first_word + words, dtype=torch.int64, device=device)
+    row = torch.tensor(disk_blocks, dtype=torch.int64, device=device) << 32
+    return row[:, None] | column[None, :]
 
 
 class Workload:
@@ -126,9 +130,18 @@ class Workload:
 
     def _pattern(self, disk_blocks: list[int], layer: int) -> torch.Tensor:
         words = self.per_layer // 8
-        column = torch.arange(layer * words, (layer + 1) * words, dtype=torch.int64, device=self.device)
-        row = torch.tensor(disk_blocks, dtype=torch.int64, device=self.device) << 32
-        return row[:, None] | column[None, :]
+        return identity_words(disk_blocks, layer * words, words, self.device)
+
+    def copy_block(self, staging: torch.Tensor, gpu_block: int, to_staging: bool) -> None:
+        """Per-tensor async copies between a staging buffer and one GPU block (the baselines' way)."""
+        per = self.per_layer
+        for layer, cache in enumerate(self.caches):
+            part = staging[layer * per:(layer + 1) * per]
+            target = cache[gpu_block].view(torch.uint8)
+            if to_staging:
+                part.copy_(target, non_blocking=True)
+            else:
+                target.copy_(part, non_blocking=True)
 
     def fill_gpu_as(self, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
         index = torch.tensor(gpu_blocks, device=self.device)
@@ -167,7 +180,6 @@ class SerialBaseline:
 
     def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
         events: list[Any] = [None, None]
-        per = self.work.per_layer
         for i, (disk_block, gpu_block) in enumerate(zip(disk_blocks, gpu_blocks, strict=True)):
             slot = i % 2
             if events[slot] is not None:
@@ -176,11 +188,8 @@ class SerialBaseline:
             staging = self._slot(slot)
             if not store:
                 os.preadv(self.fd, [view], disk_block * self.stride)
-            with torch.cuda.stream(self.stream) if self.gpu else _null():
-                for layer, cache in enumerate(self.work.caches):
-                    part = staging[layer * per:(layer + 1) * per]
-                    target = cache[gpu_block].view(torch.uint8)
-                    (part.copy_(target, non_blocking=True) if store else target.copy_(part, non_blocking=True))
+            with torch.cuda.stream(self.stream) if self.gpu else contextlib.nullcontext():
+                self.work.copy_block(staging, gpu_block, to_staging=store)
                 if self.gpu:
                     events[slot] = torch.cuda.Event()
                     events[slot].record(self.stream)
@@ -197,14 +206,6 @@ class SerialBaseline:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.addr)
         del self.host
         self.buffer.close()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 class ThreadPoolBaseline:
@@ -233,14 +234,10 @@ class ThreadPoolBaseline:
 
     def _one(self, store: bool, disk_block: int, gpu_block: int) -> None:
         buffer, host, stream = self._state()
-        per = self.work.per_layer
         if not store:
             os.preadv(self.fd, [buffer.view], disk_block * self.stride)
-        with torch.cuda.stream(stream) if self.gpu else _null():
-            for layer, cache in enumerate(self.work.caches):
-                part = host[layer * per:(layer + 1) * per]
-                target = cache[gpu_block].view(torch.uint8)
-                (part.copy_(target, non_blocking=True) if store else target.copy_(part, non_blocking=True))
+        with torch.cuda.stream(stream) if self.gpu else contextlib.nullcontext():
+            self.work.copy_block(host, gpu_block, to_staging=store)
             if self.gpu:
                 stream.synchronize()
         if store:
@@ -278,7 +275,7 @@ async def _verify_file(fd: int, stride: int, work: Workload, disk_blocks: list[i
     for disk_block in disk_blocks[:16]:
         await asyncio.to_thread(os.preadv, fd, [buffer.view], disk_block * stride)
         got = torch.frombuffer(buffer.view, dtype=torch.int64)[:words]
-        ok &= torch.equal(got, expected_words(disk_block, words))
+        ok &= torch.equal(got, identity_words([disk_block], 0, words, "cpu")[0])
         del got
     buffer.close()
     return ok
