@@ -199,7 +199,7 @@ class Engine:
         try:
             self._open_rest()
         except BaseException:
-            self._undo_open()
+            self._release()  # nothing was submitted yet
             raise
         self._state = "open"
         return self
@@ -225,24 +225,27 @@ class Engine:
         else:
             self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
 
-    def _undo_open(self) -> None:
-        """Release what a failed open() had set up (nothing was submitted yet)."""
-        for name in ("copier", "bridge"):
-            part = getattr(self, name, None)
-            if part is not None:
-                with contextlib.suppress(Exception):
-                    part.close() if name == "copier" else part.stop()
-        if getattr(self, "io", None) is not None:
-            with contextlib.suppress(Exception):
-                self.io.close()
+    def _release(self) -> None:
+        """Free whatever open() set up, last part first. Nothing may be in flight any more."""
+        copier, bridge, io = (getattr(self, name, None) for name in ("copier", "bridge", "io"))
+        if copier is not None:
+            copier.close()
+        if bridge is not None:
+            bridge.stop()
+        if io is not None:
+            io.close()
         if getattr(self, "_host_registered", False):
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self.pool.slab.addr)
+        if self._sum_pool is not None:
+            self._sum_pool.shutdown()
         if getattr(self, "pool", None) is not None:
             self.pool.close()
-        self._state = "closed"
-        self.file.close()
+        try:
+            self.file.close()
+        finally:
+            self._state = "closed"
 
     async def __aenter__(self) -> Engine:
         return await self.open()
@@ -262,20 +265,7 @@ class Engine:
         await self.io.drain()
         while self.bridge.pending:
             await asyncio.sleep(0.001)
-        self.copier.close()
-        self.bridge.stop()
-        self.io.close()
-        if self._host_registered:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.pool.slab.addr)
-        if self._sum_pool is not None:
-            self._sum_pool.shutdown()
-        self.pool.close()
-        try:
-            self.file.close()
-        finally:
-            self._state = "closed"
+        self._release()
 
     def __del__(self) -> None:
         if getattr(self, "_state", "closed") in ("open", "opening"):
