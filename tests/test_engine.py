@@ -20,7 +20,7 @@ from conftest import EngineFactory, random_caches
 
 from uring_kv import BlockIOError, Engine
 from uring_kv._staging import Kind, LeaseState
-from uring_kv.testing import fill, id_caches, identify
+from uring_kv.testing import fill, id_caches, identify, store_identity
 
 
 async def test_round_trip_is_byte_exact(make_engine: EngineFactory, device: str) -> None:
@@ -241,9 +241,7 @@ async def test_stores_to_one_block_apply_in_call_order(make_engine: EngineFactor
 async def test_io_error_mid_batch_names_the_block_and_the_rest_complete(make_engine: EngineFactory) -> None:
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
-        for gpu_block in range(8):
-            fill(caches, gpu_block, gpu_block, 1)
-        await engine.store_batch(list(range(8)), list(range(8)))
+        await store_identity(engine, caches, 8)
         os.ftruncate(engine.file.fd, 6 * engine.file.stride)  # blocks 6 and 7 now read short
         for t in caches.values():
             t.fill_(-1)
@@ -309,9 +307,7 @@ async def test_cancelled_call_returns_only_after_its_started_blocks(make_engine:
     """After a cancelled load_batch returns, the engine must not write its GPU blocks any more."""
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2, copy_delay=0.02) as engine:
-        for gpu_block in range(4):
-            fill(caches, gpu_block, gpu_block, 1)
-        await engine.store_batch(list(range(4)), list(range(4)))
+        await store_identity(engine, caches, 4)
         load = asyncio.create_task(engine.load_batch(list(range(4)), list(range(4, 8))))
         await asyncio.sleep(0.005)  # two blocks are in flight (two slots)
         load.cancel()

@@ -14,7 +14,7 @@ import pytest
 from conftest import EngineFactory
 
 from uring_kv import BlockIOError
-from uring_kv.testing import fill, id_caches, identify
+from uring_kv.testing import fill, id_caches, identify, store_identity
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
 
@@ -54,9 +54,7 @@ async def test_eio_on_read_names_the_block(fault_fs: tuple[Path, object], make_e
     caches = id_caches("cpu", blocks=8)
     engine = make_engine(caches, 8, num_slots=2, path=mountpoint / "kv.bin")
     async with engine:
-        for gpu_block in range(8):
-            fill(caches, gpu_block, gpu_block, 1)
-        await engine.store_batch(list(range(8)), list(range(8)))
+        await store_identity(engine, caches, 8)
         state.fail_reads(engine.file.offset(5), engine.file.stride)  # type: ignore[attr-defined]
         with pytest.raises(BlockIOError, match=r"disk block\(s\) 5 \(EIO") as info:
             await engine.load_batch([3, 5, 6], [0, 1, 2])
@@ -123,9 +121,7 @@ async def test_enospc_raises_and_stored_blocks_survive(tiny_tmpfs: Path, make_en
 async def test_file_truncated_under_the_engine_raises_no_stale_bytes(make_engine: EngineFactory) -> None:
     caches = id_caches("cpu", blocks=4)
     async with make_engine(caches, 4, num_slots=2) as engine:
-        for gpu_block in range(4):
-            fill(caches, gpu_block, gpu_block, 1)
-        await engine.store_batch(list(range(4)), list(range(4)))
+        await store_identity(engine, caches, 4)
         os.truncate(engine.path, 0)
         for t in caches.values():
             t.fill_(-1)
@@ -151,9 +147,7 @@ async def test_checksum_catches_bytes_changed_on_disk(make_engine: EngineFactory
     the cache; without it the same damage is delivered silently (which is why the option exists)."""
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2, checksum=checksum) as engine:
-        for gpu_block in range(4):
-            fill(caches, gpu_block, gpu_block, 1)
-        await engine.store_batch(list(range(4)), list(range(4)))
+        await store_identity(engine, caches, 4)
         await engine.load_batch(list(range(4)), list(range(4, 8)))  # sums verify when nothing changed
         assert [identify(caches, g) for g in range(4, 8)] == [(d, 1, True) for d in range(4)]
         _flip_a_byte(engine.path, engine.file.offset(2) + 100)

@@ -11,15 +11,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from uring_kv import BlockIOError
 from uring_kv.metrics import PrometheusCollector
-from uring_kv.testing import fill, id_caches
+from uring_kv.testing import id_caches, store_identity
 
 
 async def test_snapshot_counts_blocks_bytes_failures_and_batches(make_engine: EngineFactory) -> None:
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
-        for gpu_block in range(4):
-            fill(caches, gpu_block, gpu_block, 1)
-        await engine.store_batch(list(range(4)), list(range(4)))
+        await store_identity(engine, caches, 4)
         await engine.load_batch([0, 1], [4, 5])
         os.ftruncate(engine.file.fd, 3 * engine.file.stride)
         with pytest.raises(BlockIOError):

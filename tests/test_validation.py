@@ -17,7 +17,7 @@ import torch
 from conftest import EngineFactory
 
 from uring_kv import Engine, EngineClosedError
-from uring_kv.testing import fill, id_caches
+from uring_kv.testing import id_caches, store_identity
 
 Call = Callable[[Any], Any]  # the calls are wrong on purpose: no static types for them
 
@@ -49,9 +49,7 @@ async def test_bad_call_rejected_before_io(make_engine: EngineFactory, call: Cal
                                            message: str) -> None:
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 16, num_slots=2) as engine:
-        for gpu_block in range(8):
-            fill(caches, gpu_block, gpu_block, 1)
-        await engine.store_batch(list(range(8)), list(range(8)))
+        await store_identity(engine, caches, 8)
         before = hashlib.sha256(Path(engine.path).read_bytes()).hexdigest()
         snapshot = {k: v.clone() for k, v in caches.items()}
         submitted = engine.pool.reissues

@@ -38,6 +38,13 @@ def fill(caches: dict[str, torch.Tensor], gpu_block: int, disk_block: int, versi
         t[gpu_block] = content(disk_block, version, layer, str(t.device))
 
 
+async def store_identity(engine: Any, caches: dict[str, torch.Tensor], count: int, version: int = 1) -> None:
+    """Fill GPU blocks 0..count-1 with disk blocks 0..count-1 at ``version`` and store them there."""
+    for block in range(count):
+        fill(caches, block, block, version)
+    await engine.store_batch(list(range(count)), list(range(count)))
+
+
 def identify(caches: dict[str, torch.Tensor], gpu_block: int) -> tuple[int, int, bool]:
     """(disk block, version, intact) of what sits in gpu_block."""
     tensors = list(caches.values())
