@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import logging
 import os
 import platform
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sniffio
 import torch
 
 import uring_kv
@@ -23,6 +26,15 @@ from uring_kv._native import LIBURING_VERSION
 # engine must fall back to the thread pool, warn once, and pass the whole suite.
 IO_MODES = [pytest.param("uring", id="uring"), pytest.param("threads", id="threads"),
             pytest.param("auto", id="eperm-fallback")]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """asyncio unless a module asks for more: the core modules run on asyncio and on trio."""
+    return "asyncio"
+
+
+BOTH_BACKENDS = ["asyncio", "trio"]
 
 
 def pytest_report_header() -> list[str]:
@@ -74,9 +86,23 @@ EngineFactory = Callable[..., Engine]
 async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFactory]:
     """Engines over tmp_path on the parametrised backend; after the test, each must be closed clean."""
     engines: list[Engine] = []
-    loop_errors: list[dict[str, Any]] = []
-    asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+    with reported_errors() as loop_errors:
+        yield _engine_factory(engines, tmp_path, io_mode)
+        for engine in engines:
+            if engine._state == "open":
+                await engine.aclose()
+            if not hasattr(engine, "pool"):
+                continue  # never opened (a test of bad arguments)
+            assert engine.closed
+            assert engine.pool.held == 0, "a lease is still held after close"
+            assert engine.io.inflight == 0, "an SQE is still in flight after close"
+            assert engine.bridge.pending == 0, "a copy event is still pending after close"
+            assert not engine.bridge.alive, "the bridge thread is still running"
+            assert not os.path.exists(engine.path), "the block file was not removed"
+    assert not loop_errors, f"a completion handler failed: {loop_errors}"
 
+
+def _engine_factory(engines: list[Engine], tmp_path: Path, io_mode: str) -> EngineFactory:
     def make(caches: Any, num_disk_blocks: int, num_slots: int = 4, path: Path | None = None,
              **kwargs: Any) -> Engine:
         kwargs.setdefault("io", io_mode)
@@ -85,19 +111,34 @@ async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFacto
         engines.append(engine)
         return engine
 
-    yield make
-    for engine in engines:
-        if engine._state == "open":
-            await engine.aclose()
-        if not hasattr(engine, "pool"):
-            continue  # never opened (a test of bad arguments)
-        assert engine.closed
-        assert engine.pool.held == 0, "a lease is still held after close"
-        assert engine.io.inflight == 0, "an SQE is still in flight after close"
-        assert engine.bridge.pending == 0, "a copy event is still pending after close"
-        assert not engine.bridge.alive, "the bridge thread is still running"
-        assert not os.path.exists(engine.path), "the block file was not removed"
-    assert not loop_errors, f"a completion handler failed: {loop_errors}"
+    return make
+
+
+@contextlib.contextmanager
+def reported_errors() -> Iterator[list[Any]]:
+    """What the loop services reported while inside: asyncio's exception handler, trio's log."""
+    errors: list[Any] = []
+    collector = _ErrorCollector(errors)
+    loop = asyncio.get_running_loop() if sniffio.current_async_library() == "asyncio" else None
+    previous = loop.get_exception_handler() if loop is not None else None
+    if loop is not None:
+        loop.set_exception_handler(lambda loop, context: errors.append(context))
+    logging.getLogger("uring_kv").addHandler(collector)
+    try:
+        yield errors
+    finally:
+        logging.getLogger("uring_kv").removeHandler(collector)
+        if loop is not None:
+            loop.set_exception_handler(previous)
+
+
+class _ErrorCollector(logging.Handler):
+    def __init__(self, into: list[Any]) -> None:
+        super().__init__(logging.ERROR)
+        self._into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._into.append(record.getMessage())
 
 
 def random_caches(device: str, layers: int = 4, blocks: int = 32, shape: tuple[int, ...] = (3, 5),

@@ -58,11 +58,15 @@ def test_module_entry_point_runs_info() -> None:
     assert "io_uring" in done.stdout or "thread pool" in done.stdout
 
 
-def test_quickstart_example_runs() -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_quickstart_example_runs(loop: str) -> None:
     example = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
-    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
+    flags = ["--trio"] if loop == "trio" else []
+    done = subprocess.run([sys.executable, str(example), *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "reloaded blocks identical: True" in done.stdout
+    assert "enqueued-form load done: True" in done.stdout
+    assert f"event loop: {loop}" in done.stdout
     assert "block file removed on close: True" in done.stdout
 
 

@@ -7,20 +7,39 @@ tell a torn block, another block's bytes, or a stale version apart.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import time
 from collections import defaultdict
 from typing import Any
 
+import anyio
 import pytest
 import torch
-from conftest import EngineFactory, random_caches
+from aio import gather, settle, task_group
+from conftest import BOTH_BACKENDS, EngineFactory, random_caches
 
 from uring_kv import BlockIOError, Engine
 from uring_kv._staging import Kind, LeaseState
 from uring_kv.testing import fill, id_caches, identify, store_identity
+
+
+@pytest.fixture(params=BOTH_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def test_runs_on_the_backend_it_is_parametrised_with(make_engine: EngineFactory, anyio_backend: str) -> None:
+    """The trio half of this module must really run under trio (and the engine must pick trio's services)."""
+    import sniffio
+
+    assert sniffio.current_async_library() == anyio_backend
+    caches = id_caches("cpu", blocks=2)
+    async with make_engine(caches, 2, num_slots=1) as engine:
+        assert engine._svc.name == anyio_backend
+        await store_identity(engine, caches, 2)
+        await engine.load_batch([1, 0], [0, 1])
+        assert [identify(caches, g) for g in (0, 1)] == [(1, 1, True), (0, 1, True)]
 
 
 async def test_round_trip_is_byte_exact(make_engine: EngineFactory, device: str) -> None:
@@ -130,7 +149,7 @@ async def mixed_workload(engine: Engine, caches: dict[str, torch.Tensor], worker
                         problems += 1
 
     del device
-    await asyncio.gather(*(worker(i) for i in range(workers)))
+    await gather(*((worker, (i,)) for i in range(workers)))
     return checked, problems
 
 
@@ -159,23 +178,23 @@ async def test_random_cancellation_never_leaks_or_corrupts(make_engine: EngineFa
     async with make_engine(caches, 48, num_slots=3, copy_delay=0.001) as engine:
         rng = random.Random(11)
         for round_index in range(12):
-            tasks = []
-            for worker in range(8):
-                own = list(range(worker * 8, worker * 8 + 6))
-                chosen = rng.sample(range(48), 6)
-                if rng.random() < 0.5:
-                    for gpu_block, disk_block in zip(own, chosen, strict=True):
-                        fill(caches, gpu_block, disk_block, round_index + 1)
-                    tasks.append(asyncio.create_task(engine.store_batch(own, chosen)))
-                else:
-                    tasks.append(asyncio.create_task(engine.load_batch(chosen, own)))
-            await asyncio.sleep(rng.random() * 0.01)
-            for task in tasks:
-                if rng.random() < 0.6:
-                    task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        while engine.stats()["active_batches"]:
-            await asyncio.sleep(0.01)
+            async with task_group() as tasks:
+                spawned = []
+                for worker in range(8):
+                    own = list(range(worker * 8, worker * 8 + 6))
+                    chosen = rng.sample(range(48), 6)
+                    if rng.random() < 0.5:
+                        for gpu_block, disk_block in zip(own, chosen, strict=True):
+                            fill(caches, gpu_block, disk_block, round_index + 1)
+                        spawned.append(tasks.spawn(engine.store_batch, own, chosen))
+                    else:
+                        spawned.append(tasks.spawn(engine.load_batch, chosen, own))
+                await anyio.sleep(rng.random() * 0.01)
+                for task in spawned:
+                    if rng.random() < 0.6:
+                        task.cancel()
+            assert all(task.cancelled or task.result is None for task in spawned)
+        assert engine.stats()["active_batches"] == 0, "a cancelled call returned before its batch finished"
         assert engine.stats()["leases_held"] == 0
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
         # still usable, and stores that did complete are intact
@@ -193,11 +212,12 @@ async def test_load_waits_for_in_flight_store_of_same_block(make_engine: EngineF
         fill(caches, 0, 5, 1)
         await engine.store_batch([0], [5])
         fill(caches, 0, 5, 2)
-        store = asyncio.create_task(engine.store_batch([0], [5]))
-        await asyncio.sleep(0)  # the store is called (and registered) first
-        await engine.load_batch([5], [3])
-        assert identify(caches, 3) == (5, 2, True)
-        await store
+        async with task_group() as tasks:
+            store = tasks.spawn(engine.store_batch, [0], [5])
+            await settle()  # the store is called (and registered) first
+            await engine.load_batch([5], [3])
+            assert identify(caches, 3) == (5, 2, True)
+            await store.join()
 
 
 async def test_store_waits_for_in_flight_load_of_same_block(make_engine: EngineFactory, io_mode: str,
@@ -218,11 +238,12 @@ async def test_store_waits_for_in_flight_load_of_same_block(make_engine: EngineF
             return real_preadv(fd, buffers, offset)
 
         monkeypatch.setattr(os, "preadv", slow_preadv)
-        load = asyncio.create_task(engine.load_batch([5], [3]))
-        await asyncio.sleep(0.01)  # the read is in flight
-        fill(caches, 1, 5, 2)
-        await engine.store_batch([1], [5])
-        await load
+        async with task_group() as tasks:
+            load = tasks.spawn(engine.load_batch, [5], [3])
+            await anyio.sleep(0.01)  # the read is in flight
+            fill(caches, 1, 5, 2)
+            await engine.store_batch([1], [5])
+            await load.join()
         assert identify(caches, 3) == (5, 1, True)
         await engine.load_batch([5], [4])
         assert identify(caches, 4) == (5, 2, True)
@@ -233,9 +254,15 @@ async def test_stores_to_one_block_apply_in_call_order(make_engine: EngineFactor
     async with make_engine(caches, 4, num_slots=4, copy_delay=0.001) as engine:
         for version in range(1, 11):
             fill(caches, version, 2, version)
-        await asyncio.gather(*(engine.store_batch([version], [2]) for version in range(1, 11)))
+        called: list[int] = []
+
+        async def store(version: int) -> None:
+            called.append(version)  # a call is ordered when it is made; trio may start tasks in any order
+            await engine.store_batch([version], [2])
+
+        await gather(*((store, (version,)) for version in range(1, 11)))
         await engine.load_batch([2], [0])
-        assert identify(caches, 0) == (2, 10, True)
+        assert identify(caches, 0) == (2, called[-1], True)
 
 
 async def test_io_error_mid_batch_names_the_block_and_the_rest_complete(make_engine: EngineFactory) -> None:
@@ -272,10 +299,12 @@ async def test_close_waits_for_in_flight_batches(make_engine: EngineFactory) -> 
     await engine.open()
     for gpu_block in range(8):
         fill(caches, gpu_block, gpu_block, 1)
-    store = asyncio.create_task(engine.store_batch(list(range(8)), list(range(8))))
-    await asyncio.sleep(0.005)
-    await engine.aclose()
-    await store  # it finished, it was not abandoned
+    async with task_group() as tasks:
+        store = tasks.spawn(engine.store_batch, list(range(8)), list(range(8)))
+        await anyio.sleep(0.005)
+        await engine.aclose()
+        assert engine.metrics()["store"]["blocks"] == 8, "aclose returned before the in-flight batch"
+        await store.join()  # it finished, it was not abandoned
     assert engine.closed and not os.path.exists(engine.path)
 
 
@@ -288,18 +317,19 @@ async def test_cancelled_store_keeps_the_store_chain(make_engine: EngineFactory)
         fill(caches, 0, 4, 1)
         await engine.store_batch([0], [4])
         fill(caches, 1, 4, 2)
-        s1 = asyncio.create_task(engine.store_batch([1], [4]))
-        await asyncio.sleep(0.005)  # S1 holds a slot, its copy is slow
-        fill(caches, 2, 4, 3)
-        s2 = asyncio.create_task(engine.store_batch([2], [4]))
-        await asyncio.sleep(0.005)  # S2 waits for S1
-        load = asyncio.create_task(engine.load_batch([4], [5]))
-        await asyncio.sleep(0)
-        s2.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await s2
-        await load
-        await s1
+        async with task_group() as tasks:
+            s1 = tasks.spawn(engine.store_batch, [1], [4])
+            await anyio.sleep(0.005)  # S1 holds a slot, its copy is slow
+            fill(caches, 2, 4, 3)
+            s2 = tasks.spawn(engine.store_batch, [2], [4])
+            await anyio.sleep(0.005)  # S2 waits for S1
+            load = tasks.spawn(engine.load_batch, [4], [5])
+            await settle()
+            s2.cancel()
+            await s2.join()
+            assert s2.cancelled
+            await load.join()
+            await s1.join()
         assert identify(caches, 5) == (4, 2, True)
 
 
@@ -308,13 +338,37 @@ async def test_cancelled_call_returns_only_after_its_started_blocks(make_engine:
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2, copy_delay=0.02) as engine:
         await store_identity(engine, caches, 4)
-        load = asyncio.create_task(engine.load_batch(list(range(4)), list(range(4, 8))))
-        await asyncio.sleep(0.005)  # two blocks are in flight (two slots)
-        load.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await load
-        for gpu_block in range(4, 8):
-            fill(caches, gpu_block, 7, 9)  # the caller reuses its blocks at once
-        await asyncio.sleep(0.1)  # time for any late copy to land
+        async with task_group() as tasks:
+            load = tasks.spawn(engine.load_batch, list(range(4)), list(range(4, 8)))
+            await anyio.sleep(0.005)  # two blocks are in flight (two slots)
+            load.cancel()
+            await load.join()
+            assert load.cancelled
+            for gpu_block in range(4, 8):
+                fill(caches, gpu_block, 7, 9)  # the caller reuses its blocks at once
+        await anyio.sleep(0.1)  # time for any late copy to land
         assert [identify(caches, g) for g in range(4, 8)] == [(7, 9, True)] * 4
         assert engine.stats()["active_batches"] == 0
+
+
+async def test_cancelled_call_waits_for_its_enqueued_copies(make_engine: EngineFactory) -> None:
+    """Cancelled once every copy is enqueued (4 blocks, 4 slots, slow copier): the call still returns
+    only after the copies have landed, and the batch is accounted for. Mutation tried: awaiting the
+    batch's own future directly (the cancellation then cancelled that future: the call returned at
+    once, a late copy overwrote the caller's reused blocks, the batch never left the active set)."""
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 8, num_slots=4, copy_delay=0.05) as engine:
+        await store_identity(engine, caches, 4)
+        async with task_group() as tasks:
+            load = tasks.spawn(engine.load_batch, [0, 1, 2, 3], [4, 5, 6, 7])
+            await anyio.sleep(0.02)  # reads done, copies enqueued behind the slow copier
+            assert engine.stats()["copies_pending"] > 0
+            load.cancel()
+            await load.join()
+            assert load.cancelled
+            assert engine.stats()["active_batches"] == 0
+            for gpu_block in range(4, 8):
+                fill(caches, gpu_block, 7, 9)  # the caller reuses its blocks at once
+        await anyio.sleep(0.1)
+        assert [identify(caches, g) for g in range(4, 8)] == [(7, 9, True)] * 4
+        assert engine.metrics()["load"]["batches"] == 1

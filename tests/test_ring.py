@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import functools
 import gc
@@ -13,12 +12,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+from aio import task_group
+from conftest import BOTH_BACKENDS, reported_errors
 
 from uring_kv import UringUnavailable
 from uring_kv._io import IOBackend, Op, ThreadBackend, UringBackend, open_backend
 from uring_kv._memory import HostBuffer
 from uring_kv._native import SetupFlag
+
+
+@pytest.fixture(params=BOTH_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture
@@ -144,14 +151,15 @@ async def test_cancelled_awaiter_leaves_read_owned_until_its_cqe(backend: IOBack
 
     keep = Keep()
     alive = weakref.ref(keep)
-    task = asyncio.create_task(backend.transfer(False, read_fd, buf.addr, 4096, offset, keep=keep))
-    await asyncio.sleep(0.05)
-    del keep
-    assert backend.inflight == 1
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    await asyncio.sleep(0.05)
+    async with task_group() as tasks:
+        task = tasks.spawn(backend.transfer, False, read_fd, buf.addr, 4096, offset, -1, keep)
+        await anyio.sleep(0.05)
+        del keep
+        assert backend.inflight == 1
+        task.cancel()
+        await task.join()
+        assert task.cancelled
+    await anyio.sleep(0.05)
     assert backend.inflight == 1, "the op must stay in flight after its awaiter is cancelled"
     assert alive() is not None, "the op's buffer owner was dropped before its completion"
     if write_fd >= 0:
@@ -159,7 +167,7 @@ async def test_cancelled_awaiter_leaves_read_owned_until_its_cqe(backend: IOBack
     gate.set()
     await backend.drain()
     assert backend.inflight == 0, "the completion was not consumed"
-    await asyncio.sleep(0.05)  # a pool worker may still be returning from the op's frame
+    await anyio.sleep(0.05)  # a pool worker may still be returning from the op's frame
     gc.collect()
     assert alive() is None
     assert bytes(buf.view[:8]) == b"latelate", "the read landed in the buffer after the cancellation"
@@ -247,4 +255,25 @@ async def test_close_refuses_while_ops_are_in_flight() -> None:
     assert bytes(buf.view[:4]) == b"done"
     os.close(read_fd)
     os.close(write_fd)
+    buf.close()
+
+
+async def test_a_failing_handler_is_reported_and_the_others_still_run(backend: IOBackend, data_file: int) -> None:
+    """One completion handler raising must neither lose the other completions of the same wake-up
+    nor leave the op counted in flight; the error reaches the loop's handler (asyncio) or the
+    ``uring_kv`` log (trio)."""
+    buf = HostBuffer(8 * 4096)
+    done: list[int] = []
+
+    def bad(res: int) -> None:
+        raise ValueError("handler bug")
+
+    ops = [Op(True, data_file, buf.addr + i * 4096, 4096, i * 4096, bad if i == 3 else done.append)
+           for i in range(8)]
+    with reported_errors() as errors:
+        await submit_all(backend, ops)
+        await anyio.sleep(0.01)
+    assert done == [4096] * 7
+    assert backend.inflight == 0
+    assert len(errors) == 1 and "completion handler failed" in str(errors[0])
     buf.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import hashlib
 import os
@@ -12,12 +11,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
-from conftest import EngineFactory
+from conftest import BOTH_BACKENDS, EngineFactory
 
 from uring_kv import Engine, EngineClosedError
 from uring_kv.testing import id_caches, store_identity
+
+
+@pytest.fixture(params=BOTH_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 Call = Callable[[Any], Any]  # the calls are wrong on purpose: no static types for them
 
@@ -134,7 +139,7 @@ async def test_unclosed_engine_warns_and_removes_its_file(tmp_path: Path) -> Non
         warnings.simplefilter("always")
         del engine
         gc.collect()
-        await asyncio.sleep(0)
+        await anyio.sleep(0)
     assert any(issubclass(w.category, ResourceWarning) and "was not closed" in str(w.message) for w in caught)
     assert not path.exists()
     assert not os.path.lexists(path)

@@ -20,12 +20,13 @@ DMA engine is done with them. Per-delivery latency (event fired → handler ran)
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
+
+from uring_kv._loop import LoopServices
 
 
 class Waitable(Protocol):
@@ -36,8 +37,8 @@ class Waitable(Protocol):
 class Bridge:
     """Watches events on a thread; ``on_done`` callbacks run on the loop, in batches."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "uring-kv-bridge") -> None:
-        self._loop = loop
+    def __init__(self, services: LoopServices, name: str = "uring-kv-bridge") -> None:
+        self._svc = services
         self._items: deque[tuple[Waitable, Callable[[], None]]] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -70,7 +71,7 @@ class Bridge:
                     (batch if item[0].query() else kept).append(item)
                 self._items = kept
             try:
-                self._loop.call_soon_threadsafe(self._deliver, batch, fired_ns)
+                self._svc.call_soon_threadsafe(self._deliver, batch, fired_ns)
             except RuntimeError:  # the loop is closed: nobody is left to hand slots back to
                 return
 
@@ -81,8 +82,7 @@ class Bridge:
             try:
                 on_done()
             except Exception as exc:
-                self._loop.call_exception_handler({"message": "uring_kv copy completion handler failed",
-                                                   "exception": exc})
+                self._svc.report("uring_kv copy completion handler failed", exc)
 
     @property
     def alive(self) -> bool:

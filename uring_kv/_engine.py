@@ -9,14 +9,13 @@ stops *new* submissions but never frees a slot that the kernel or the DMA engine
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import operator
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from uring_kv._bridge import Bridge
 from uring_kv._copy import CudaCopier, HostCopier
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, open_backend
+from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
 from uring_kv._native import BlockCopier
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
@@ -37,8 +37,8 @@ class _Block:
     disk_block: int
     gpu_block: int
     batch: _Batch
-    deps: list[asyncio.Future[None]]
-    phase_done: asyncio.Future[None]  # load: its read finished; store: its write finished
+    deps: list[Any]  # futures: the hazards to clear first
+    phase_done: Any  # future; load: its read finished; store: its write finished
     lease: Lease | None = None
     crc: int | None = None  # checksum=True: store → sum of the bytes written; load → sum expected
 
@@ -48,8 +48,8 @@ class _Batch:
     kind: Kind
     after: Any
     remaining: int
-    done: asyncio.Future[None]
-    enqueued: asyncio.Future[Any]
+    done: Any  # future: every block finished
+    enqueued: Any  # future: every copy enqueued
     to_enqueue: int
     failures: dict[int, int] = field(default_factory=dict)
     ready: list[_Block] = field(default_factory=list)
@@ -64,8 +64,9 @@ class TransferHandle:
     on the device (load) or in the staging slots (store); ``await handle`` waits until the batch is
     complete (resident on the device, or written to the file) and raises its I/O errors."""
 
-    def __init__(self, batch: _Batch, event: Any) -> None:
+    def __init__(self, batch: _Batch, event: Any, services: LoopServices) -> None:
         self._batch = batch
+        self._svc = services
         self.event = event
 
     def wait_on(self, stream: Any) -> None:
@@ -74,7 +75,9 @@ class TransferHandle:
             stream.wait_event(self.event)
 
     def __await__(self) -> Any:
-        return self._batch.done.__await__()
+        # Through wait(): a cancelled awaiter must not cancel the batch's own future, which the
+        # engine still needs to see finish.
+        return self._svc.wait(self._batch.done).__await__()
 
 
 def _block_indices(values: Iterable[Any], what: str, limit: int) -> list[int]:
@@ -135,7 +138,8 @@ class Engine:
 
     ``caches``: mapping name → tensor (or a sequence of tensors), all on one device, dim 0 the block
     index. A disk block holds one block of every tensor, padded to the I/O alignment.
-    Use as ``async with Engine(...) as engine`` (or ``await engine.open()`` … ``await engine.aclose()``).
+    Use as ``async with Engine(...) as engine`` (or ``await engine.open()`` … ``await engine.aclose()``),
+    under asyncio or trio (directly or through anyio): ``open()`` binds the engine to the loop it runs on.
 
     ``num_slots``: staging slots (pinned host memory = num_slots × padded block size).
     ``direct``: True requires O_DIRECT, False never uses it, None (default) probes and falls back.
@@ -177,8 +181,8 @@ class Engine:
         self._sum_pool: ThreadPoolExecutor | None = None
         self._state = "new"
         self._active: set[_Batch] = set()
-        self._last_store: dict[int, asyncio.Future[None]] = {}
-        self._loads_reading: dict[int, list[asyncio.Future[None]]] = {}
+        self._last_store: dict[int, Any] = {}  # disk block → phase_done of its latest store
+        self._loads_reading: dict[int, list[Any]] = {}  # disk block → phase_done of reads in flight
         self._invalid: dict[int, int] = {}  # disk block → errno of its last, failed store
         self._flush_scheduled = False
         self._ready_batches: list[_Batch] = []
@@ -189,10 +193,10 @@ class Engine:
         if self._state != "new":
             raise RuntimeError(f"engine is {self._state}; open() is called once")
         self._state = "opening"
-        self._loop = asyncio.get_running_loop()
         try:
-            self.file = await asyncio.to_thread(BlockFile, self.path, self.block_bytes, self.num_disk_blocks,
-                                                self._direct)
+            self._svc = current_services()
+            self.file = await self._svc.to_thread(BlockFile, self.path, self.block_bytes, self.num_disk_blocks,
+                                                  self._direct, cleanup=BlockFile.close)
         except BaseException:
             self._state = "closed"
             raise
@@ -205,8 +209,8 @@ class Engine:
         return self
 
     def _open_rest(self) -> None:
-        self.io: IOBackend = open_backend(self._io_mode, loop=self._loop, async_io=not self.file.direct)
-        self.pool = SlotPool(self.num_slots, self.file.stride)
+        self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=not self.file.direct)
+        self.pool = SlotPool(self.num_slots, self.file.stride, self._svc)
         self._host_registered = False
         if self.gpu:
             import torch
@@ -217,7 +221,7 @@ class Engine:
             self._host_registered = True
         self.io.register_buffers([(lease.addr, self.file.stride) for lease in self.pool.leases])
         self.io.register_file(self.file.fd)
-        self.bridge = Bridge(self._loop)
+        self.bridge = Bridge(self._svc)
         blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
         self.copier: HostCopier | CudaCopier
         if self.gpu:
@@ -259,12 +263,11 @@ class Engine:
             self._state = "closed" if self._state == "new" else self._state
             return
         self._state = "closing"
-        pending = [b.done for b in self._active]
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        for batch in list(self._active):
+            await self._svc.wait_through_cancellation(batch.done)
         await self.io.drain()
         while self.bridge.pending:
-            await asyncio.sleep(0.001)
+            await self._svc.sleep(0.001)
         self._release()
 
     def __del__(self) -> None:
@@ -305,6 +308,7 @@ class Engine:
             "direct": self.file.direct,
             "fixed_buffers": self.io.fixed_buffers,
             "pinned_bytes": self.pool.slab.size,
+            "loop": self._svc.name,
         }
 
     # ----------------------------------------------------------------- public API
@@ -337,7 +341,7 @@ class Engine:
         blocks = []
         for d, g in zip(disk, gpu, strict=True):
             store = self._last_store.get(d)
-            block = _Block(d, g, batch, [store] if store is not None else [], self._loop.create_future())
+            block = _Block(d, g, batch, [store] if store is not None else [], self._svc.create_future())
             self._loads_reading.setdefault(d, []).append(block.phase_done)
             blocks.append(block)
         return batch, blocks
@@ -357,7 +361,7 @@ class Engine:
             deps = list(self._loads_reading.get(d, ()))
             if (store := self._last_store.get(d)) is not None:
                 deps.append(store)
-            block = _Block(d, g, batch, deps, self._loop.create_future())
+            block = _Block(d, g, batch, deps, self._svc.create_future())
             self._last_store[d] = block.phase_done
             blocks.append(block)
         return batch, blocks
@@ -368,12 +372,10 @@ class Engine:
             if wait:
                 await handle
             return handle
-        except asyncio.CancelledError:
+        except self._svc.cancelled:
             # _drive stopped starting blocks. Those already handed to the kernel or the DMA engine
             # still read or write the caller's GPU blocks: give control back only once they are done.
-            while not batch.done.done():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(batch.done)
+            await self._svc.wait_through_cancellation(batch.done)
             raise
 
     # ----------------------------------------------------------------- internals
@@ -405,7 +407,7 @@ class Engine:
         return disk, gpu, after
 
     def _new_batch(self, kind: Kind, after: Any, count: int) -> _Batch:
-        batch = _Batch(kind, after, count, self._loop.create_future(), self._loop.create_future(), count,
+        batch = _Batch(kind, after, count, self._svc.create_future(), self._svc.create_future(), count,
                        size=count)
         self._active.add(batch)
         if count == 0:
@@ -420,7 +422,7 @@ class Engine:
                 block = blocks[started]
                 for dep in block.deps:
                     if not dep.done():
-                        await asyncio.shield(dep)
+                        await self._svc.wait(dep)
                 waited = time.monotonic()
                 block.lease = await self.pool.acquire(batch.kind)
                 self._metrics[batch.kind].slot_wait_s.observe(time.monotonic() - waited)
@@ -440,7 +442,7 @@ class Engine:
             for block in blocks[started:]:  # never started: unblock whoever waits on them, but
                 pending = [dep for dep in block.deps if not dep.done()]  # only once its own hazards
                 if pending:  # cleared: a later load may rely on this store waiting for the one before
-                    asyncio.gather(*pending).add_done_callback(_bind(self._phase_after_deps, block))
+                    self._svc.when_all(pending, _bind(self._phase_finished, block))
                 else:
                     self._phase_finished(block)
                 if block.lease is not None:
@@ -451,8 +453,8 @@ class Engine:
                 batch.skipped += 1
             if started < len(blocks):
                 self._check_batch(batch)
-        await asyncio.shield(batch.enqueued)
-        return TransferHandle(batch, batch.last_event)
+        await self._svc.wait(batch.enqueued)
+        return TransferHandle(batch, batch.last_event, self._svc)
 
     def _start(self, batch: _Batch, group: list[_Block]) -> None:
         if batch.kind is Kind.LOAD:
@@ -462,7 +464,7 @@ class Engine:
                 block.lease.advance(LeaseState.RESERVED)
                 invalid = self._invalid.get(block.disk_block)
                 if invalid is not None:  # its last store failed: no bytes to trust
-                    self._loop.call_soon(self._on_read, block, -invalid)
+                    self._svc.call_soon(self._on_read, block, -invalid)
                     continue
                 ops.append(Op(False, self.file.fd, block.lease.addr, self.file.stride,
                               self.file.offset(block.disk_block), _bind(self._on_read, block),
@@ -494,17 +496,19 @@ class Engine:
             return
         if expected is not None:  # the lease stays READING while the verifier reads the slot
             block.crc = expected
-            self._summing(block.lease.addr).add_done_callback(_bind(self._on_verified, block))
+            self._sum_then(block.lease.addr, _bind(self._on_verified, block))
             return
         self._ready_to_copy(block)
 
-    def _summing(self, addr: int) -> asyncio.Future[int]:
+    def _sum_then(self, addr: int, then: Callable[[int], None]) -> None:
+        """crc32c of one slot on a worker thread; ``then(crc)`` runs on the loop afterwards."""
         if self._sum_pool is None:
             self._sum_pool = ThreadPoolExecutor(2, thread_name_prefix="uring-kv-crc")
-        return self._loop.run_in_executor(self._sum_pool, _crc32c, addr, self.file.stride)
+        summing = self._sum_pool.submit(_crc32c, addr, self.file.stride)
+        summing.add_done_callback(lambda done: self._svc.call_soon_threadsafe(then, done.result()))
 
-    def _on_verified(self, block: _Block, done: asyncio.Future[int]) -> None:
-        if done.result() != block.crc:
+    def _on_verified(self, block: _Block, crc: int) -> None:
+        if crc != block.crc:
             self._load_failed(block, errno.EBADMSG)
         else:
             self._ready_to_copy(block)
@@ -528,7 +532,7 @@ class Engine:
             self._ready_batches.append(batch)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            self._loop.call_soon(self._flush_ready)
+            self._svc.call_soon(self._flush_ready)
 
     def _flush_ready(self) -> None:
         """One copy call per batch for all reads that completed in this loop iteration."""
@@ -551,13 +555,17 @@ class Engine:
             self._write(group)
             return
         # Sum the staged bytes off the loop; the leases stay COPYING meanwhile (still being read).
-        sums = [self._summing(block.lease.addr) for block in group if block.lease is not None]
-        asyncio.gather(*sums).add_done_callback(_bind(self._on_summed, group))
+        unsummed = [len(group)]
 
-    def _on_summed(self, group: list[_Block], done: asyncio.Future[list[int]]) -> None:
-        for block, crc in zip(group, done.result(), strict=True):
+        def summed(block: _Block, crc: int) -> None:
             block.crc = crc
-        self._write(group)
+            unsummed[0] -= 1
+            if unsummed[0] == 0:
+                self._write(group)
+
+        for block in group:
+            assert block.lease is not None
+            self._sum_then(block.lease.addr, _bind(summed, block))
 
     def _write(self, group: list[_Block]) -> None:
         ops = []
@@ -587,9 +595,6 @@ class Engine:
                 self._sums.pop(block.disk_block, None)  # written unsummed: nothing to verify against
         self._phase_finished(block)
         self._batch_block_done(block.batch)
-
-    def _phase_after_deps(self, block: _Block, _deps: asyncio.Future[Any]) -> None:
-        self._phase_finished(block)
 
     def _phase_finished(self, block: _Block) -> None:
         fut = block.phase_done

@@ -19,7 +19,6 @@ Some facts about io_uring that shape the ring backend:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
@@ -30,7 +29,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
 from uring_kv._native import NativeRing, Opcode, SetupFlag, SqeFlag, os_error
 from uring_kv.errors import UringUnavailable
@@ -64,11 +65,11 @@ class IOBackend(ABC):
     name: str
     description: str
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        self._loop = loop or asyncio.get_running_loop()
+    def __init__(self, services: LoopServices | None) -> None:
+        self._svc = services or current_services()
         self.inflight = 0
         self.fixed_buffers = False
-        self._idle: asyncio.Event | None = None
+        self._idle: Any = None  # a future while drain() waits
 
     @abstractmethod
     def submit(self, ops: Sequence[Op]) -> None:
@@ -87,16 +88,15 @@ class IOBackend(ABC):
         try:
             op.on_done(res)
         except Exception as exc:  # one bad handler must not stop the others
-            self._loop.call_exception_handler({"message": "uring_kv I/O completion handler failed",
-                                               "exception": exc})
-        if self.inflight == 0 and self._idle is not None:
-            self._idle.set()
+            self._svc.report("uring_kv I/O completion handler failed", exc)
+        if self.inflight == 0 and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     async def drain(self) -> None:
         """Wait until no op is in flight."""
         while self.inflight:
-            self._idle = asyncio.Event()
-            await self._idle.wait()
+            self._idle = self._svc.create_future()
+            await self._svc.wait(self._idle)
         self._idle = None
 
     @abstractmethod
@@ -106,14 +106,9 @@ class IOBackend(ABC):
     async def transfer(self, write: bool, fd: int, addr: int, length: int, offset: int,
                        buf_index: int = -1, keep: object = None) -> int:
         """Convenience: one op, awaited. Cancelling the awaiter leaves the op running to its completion."""
-        fut: asyncio.Future[int] = self._loop.create_future()
-
-        def done(res: int) -> None:
-            if not fut.done():
-                fut.set_result(res)
-
-        self.submit([Op(write, fd, addr, length, offset, done, buf_index, keep)])
-        res = await fut
+        fut = self._svc.create_future()
+        self.submit([Op(write, fd, addr, length, offset, fut.set_result, buf_index, keep)])
+        res: int = await self._svc.wait(fut)
         check_result(res, length, f"{'write' if write else 'read'} of {length} bytes at offset {offset}")
         return res
 
@@ -136,9 +131,9 @@ class UringBackend(IOBackend):
 
     name = "uring"
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, entries: int = 256,
+    def __init__(self, services: LoopServices | None = None, entries: int = 256,
                  async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER) -> None:
-        super().__init__(loop)
+        super().__init__(services)
         self._owner = threading.get_ident()
         ring: NativeRing | None = None
         for candidate in flags:
@@ -157,7 +152,7 @@ class UringBackend(IOBackend):
         self.description = f"io_uring ({flag_names(ring.flags)}{', IOSQE_ASYNC' if async_io else ''})"
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ring.register_eventfd(self._efd)
-        self._loop.add_reader(self._efd, self._on_wakeup)
+        self._svc.add_reader(self._efd, self._on_wakeup)
         self._pending: dict[int, Op] = {}
         self._next_user_data = 1
         self._backlog: deque[Op] = deque()
@@ -229,7 +224,7 @@ class UringBackend(IOBackend):
             raise RuntimeError(f"{self.inflight} io_uring ops still in flight; drain() first")
         if self._efd < 0:
             return
-        self._loop.remove_reader(self._efd)
+        self._svc.remove_reader(self._efd)
         self._ring.close()
         os.close(self._efd)
         self._efd = -1
@@ -250,9 +245,9 @@ class ThreadBackend(IOBackend):
 
     name = "threads"
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, workers: int = 8,
+    def __init__(self, services: LoopServices | None = None, workers: int = 8,
                  reason: str = "") -> None:
-        super().__init__(loop)
+        super().__init__(services)
         self.reason = reason
         self.description = f"thread pool ({workers} threads{', ' + reason if reason else ''})"
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="uring-kv-io")
@@ -270,7 +265,7 @@ class ThreadBackend(IOBackend):
             res = -(exc.errno or errno.EIO)
         finally:
             view.release()
-        self._loop.call_soon_threadsafe(self._finished, op, res)
+        self._svc.call_soon_threadsafe(self._finished, op, res)
 
     def close(self) -> None:
         if self.inflight:
@@ -278,7 +273,7 @@ class ThreadBackend(IOBackend):
         self._pool.shutdown(wait=True)
 
 
-def open_backend(mode: str | None = None, *, loop: asyncio.AbstractEventLoop | None = None,
+def open_backend(mode: str | None = None, *, services: LoopServices | None = None,
                  async_io: bool = False, entries: int = 256, workers: int = 8) -> IOBackend:
     """The backend for ``mode`` ('auto', 'uring' or 'threads'; default ``$URING_KV_IO`` or 'auto').
 
@@ -289,11 +284,11 @@ def open_backend(mode: str | None = None, *, loop: asyncio.AbstractEventLoop | N
     if mode not in ("auto", "uring", "threads"):
         raise ValueError(f"I/O mode must be 'auto', 'uring' or 'threads', got {mode!r}")
     if mode == "threads":
-        return ThreadBackend(loop, workers, reason="URING_KV_IO=threads")
+        return ThreadBackend(services, workers, reason="URING_KV_IO=threads")
     try:
-        return UringBackend(loop, entries, async_io)
+        return UringBackend(services, entries, async_io)
     except UringUnavailable as exc:
         if mode == "uring":
             raise
         warnings.warn(f"uring_kv: {exc}; using the thread-pool fallback", RuntimeWarning, stacklevel=2)
-        return ThreadBackend(loop, workers, reason=str(exc))
+        return ThreadBackend(services, workers, reason=str(exc))

@@ -28,11 +28,12 @@ transition is checked: a wrong one raises instead of silently sharing a slot.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from collections import deque
+from typing import Any
 
+from uring_kv._loop import LoopServices
 from uring_kv._memory import HostBuffer
 
 
@@ -90,12 +91,13 @@ class Lease:
 class SlotPool:
     """``num_slots`` slots of ``stride`` bytes in one page-aligned slab."""
 
-    def __init__(self, num_slots: int, stride: int) -> None:
+    def __init__(self, num_slots: int, stride: int, services: LoopServices) -> None:
+        self._svc = services
         self.slab = HostBuffer(num_slots * stride)
         self.stride = stride
         self.leases = [Lease(i, self.slab.addr + i * stride) for i in range(num_slots)]
         self._free: deque[Lease] = deque(self.leases)
-        self._waiters: tuple[deque[asyncio.Future[Lease]], deque[asyncio.Future[Lease]]] = (deque(), deque())
+        self._waiters: tuple[deque[Any], deque[Any]] = (deque(), deque())  # futures of Lease
         self.reissues = 0  # leases handed out, for tests and metrics
 
     @property
@@ -128,14 +130,15 @@ class SlotPool:
         got = self.try_acquire(kind, 1)
         if got:
             return got[0]
-        fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        fut = self._svc.create_future()
         self._waiters[kind].append(fut)
         try:
-            return await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release_unused(fut.result())  # granted but never used by anybody
+            lease: Lease = await self._svc.wait(fut)
+        except self._svc.cancelled:
+            if not fut.cancel():  # already granted, but never used by anybody
+                self.release_unused(fut.result())
             raise
+        return lease
 
     def release_unused(self, lease: Lease) -> None:
         """Return a lease that is still RESERVED: nothing was submitted with it."""

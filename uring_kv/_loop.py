@@ -1,0 +1,311 @@
+"""The few event-loop services the engine uses, for asyncio and for trio (directly or under anyio).
+
+The engine is callback-driven: completions arrive from the ring's eventfd, from the bridge thread and
+from worker threads, and handlers run on the loop thread. What it needs from the loop is small:
+
+* a one-shot future (``create_future``) and a way to await one **without cancelling it**
+  (``wait``): many awaiters share the same future (a hazard, a batch's completion), so a cancelled
+  awaiter must only stop waiting, never cancel the shared result;
+* ``wait_through_cancellation``: used by a cancelled call that must still wait for its started
+  blocks (``asyncio``: swallow further cancellations until done; trio: a shielded cancel scope);
+* ``call_soon`` (loop thread) and ``call_soon_threadsafe`` (any thread);
+* ``add_reader`` / ``remove_reader`` for the ring's eventfd (asyncio's selector; under trio a system
+  task blocked in ``wait_readable``);
+* ``to_thread`` for the blocking file set-up, ``sleep``, and ``report`` for a handler that raised.
+
+asyncio keeps its native, C-implemented futures and callbacks: the seam costs it nothing. Under trio
+the futures are :class:`TrioFuture`, whose callbacks are scheduled with ``run_sync_soon`` so that the
+ordering matches asyncio's (callbacks run later, in the order they were scheduled, never re-entrantly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger("uring_kv")
+
+
+class LoopServices(ABC):
+    """What the engine asks of the running event loop. All methods but ``call_soon_threadsafe``
+    are called on the loop thread."""
+
+    name: str
+    cancelled: type[BaseException]  # what a cancelled await raises here
+
+    @abstractmethod
+    def create_future(self) -> Any: ...
+
+    @abstractmethod
+    async def wait(self, fut: Any) -> Any:
+        """``fut``'s result (or exception). Cancelling the waiter leaves ``fut`` untouched."""
+
+    @abstractmethod
+    async def wait_through_cancellation(self, fut: Any) -> None:
+        """Wait until ``fut`` is done, whatever cancellation arrives meanwhile."""
+
+    @abstractmethod
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+    @abstractmethod
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
+        """From any thread. Raises RuntimeError once the loop is gone."""
+
+    @abstractmethod
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None: ...
+
+    @abstractmethod
+    def remove_reader(self, fd: int) -> None:
+        """Stop watching ``fd``; the caller may close it right after."""
+
+    @abstractmethod
+    async def to_thread(self, fn: Callable[..., Any], *args: Any,
+                        cleanup: Callable[[Any], None] | None = None) -> Any:
+        """Run ``fn`` on a worker thread. A cancelled caller still waits for it to return; if the
+        cancellation is raised, ``cleanup`` gets the result that nobody will receive."""
+
+    @abstractmethod
+    async def sleep(self, seconds: float) -> None: ...
+
+    @abstractmethod
+    def report(self, message: str, exc: BaseException) -> None:
+        """A completion handler raised: make it visible without stopping the other handlers."""
+
+    def when_all(self, futs: Sequence[Any], callback: Callable[[], None]) -> None:
+        """Call ``callback()`` on the loop once every future in ``futs`` is done, however it ended."""
+        remaining = len(futs)
+
+        def one_done(_fut: Any) -> None:
+            nonlocal remaining
+            remaining -= 1
+            if remaining == 0:
+                callback()
+
+        if not futs:
+            self.call_soon(callback)
+        for fut in futs:
+            fut.add_done_callback(one_done)
+
+
+class AsyncioServices(LoopServices):
+    name = "asyncio"
+    cancelled = asyncio.CancelledError
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def create_future(self) -> Any:
+        return self.loop.create_future()
+
+    async def wait(self, fut: Any) -> Any:
+        if fut.done():
+            return fut.result()
+        return await asyncio.shield(fut)
+
+    async def wait_through_cancellation(self, fut: Any) -> None:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(fut)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon(fn, *args)
+
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        self.loop.add_reader(fd, callback)
+
+    def remove_reader(self, fd: int) -> None:
+        self.loop.remove_reader(fd)
+
+    async def to_thread(self, fn: Callable[..., Any], *args: Any,
+                        cleanup: Callable[[Any], None] | None = None) -> Any:
+        # asyncio.to_thread lets a cancelled caller go while the thread still runs (and, say, still
+        # opens a file that nobody will close): wait for it, clean up its result, then re-raise.
+        fut = self.loop.run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await self.wait_through_cancellation(fut)
+            if cleanup is not None and not fut.cancelled() and fut.exception() is None:
+                cleanup(fut.result())
+            raise
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def report(self, message: str, exc: BaseException) -> None:
+        self.loop.call_exception_handler({"message": message, "exception": exc})
+
+
+_PENDING, _DONE, _CANCELLED = 0, 1, 2
+
+
+class TrioFuture:
+    """A one-shot future for trio with asyncio.Future's callback interface (loop thread only)."""
+
+    __slots__ = ("_callbacks", "_exception", "_result", "_services", "_state")
+
+    def __init__(self, services: TrioServices) -> None:
+        self._services = services
+        self._state = _PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[TrioFuture], None]] = []
+
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def _finish(self, state: int) -> None:
+        if self._state != _PENDING:
+            raise RuntimeError("future already done")
+        self._state = state
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            self._services.call_soon(callback, self)
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._finish(_DONE)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._exception = exc
+        self._finish(_DONE)
+
+    def cancel(self) -> bool:
+        if self._state != _PENDING:
+            return False
+        self._finish(_CANCELLED)
+        return True
+
+    def result(self) -> Any:
+        if self._state == _PENDING:
+            raise RuntimeError("result is not ready")
+        if self._state == _CANCELLED:
+            raise self._services.cancelled_error()
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        if self._state == _PENDING:
+            raise RuntimeError("result is not ready")
+        return self._exception
+
+    def add_done_callback(self, callback: Callable[[TrioFuture], None]) -> None:
+        if self._state == _PENDING:
+            self._callbacks.append(callback)
+        else:
+            self._services.call_soon(callback, self)
+
+
+class _FutureCancelled(Exception):
+    """What ``TrioFuture.result()`` raises for a cancelled future (trio.Cancelled cannot be made)."""
+
+
+class TrioServices(LoopServices):
+    name = "trio"
+
+    def __init__(self) -> None:
+        import trio
+
+        self._trio = trio
+        self.cancelled = trio.Cancelled
+        self._token = trio.lowlevel.current_trio_token()
+        self._readers: dict[int, Any] = {}
+
+    def cancelled_error(self) -> BaseException:
+        return _FutureCancelled("the future was cancelled")
+
+    def create_future(self) -> TrioFuture:
+        return TrioFuture(self)
+
+    async def wait(self, fut: Any) -> Any:
+        if not fut.done():
+            event = self._trio.Event()
+            fut.add_done_callback(lambda _: event.set())
+            await event.wait()
+        return fut.result()
+
+    async def wait_through_cancellation(self, fut: Any) -> None:
+        with self._trio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await self.wait(fut)
+
+    def _guarded(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # an exception escaping run_sync_soon would crash the whole run
+            self.report("uring_kv callback failed", exc)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._token.run_sync_soon(self._guarded, fn, args)
+
+    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._token.run_sync_soon(self._guarded, fn, args)  # RunFinishedError is a RuntimeError
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> None:
+        scope = self._trio.CancelScope()
+        self._readers[fd] = scope
+        self._trio.lowlevel.spawn_system_task(self._watch, fd, callback, scope, name=f"uring_kv reader fd {fd}")
+
+    async def _watch(self, fd: int, callback: Callable[[], None], scope: Any) -> None:
+        with scope:
+            while True:
+                try:
+                    await self._trio.lowlevel.wait_readable(fd)
+                except self._trio.ClosedResourceError:
+                    return
+                if scope.cancel_called:
+                    return
+                self._guarded(callback, ())
+
+    def remove_reader(self, fd: int) -> None:
+        scope = self._readers.pop(fd, None)
+        if scope is not None:
+            scope.cancel()
+            self._trio.lowlevel.notify_closing(fd)
+
+    async def to_thread(self, fn: Callable[..., Any], *args: Any,
+                        cleanup: Callable[[Any], None] | None = None) -> Any:
+        # Not abandoned on cancellation: trio returns the result and cancels at the next checkpoint.
+        return await self._trio.to_thread.run_sync(fn, *args)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._trio.sleep(seconds)
+
+    def report(self, message: str, exc: BaseException) -> None:
+        log.error("%s", message, exc_info=exc)
+
+
+def current_services() -> LoopServices:
+    """The services of the event loop running in this thread: asyncio, or trio (also under anyio)."""
+    library = None
+    if "sniffio" in sys.modules or _importable("sniffio"):
+        import sniffio
+
+        with contextlib.suppress(sniffio.AsyncLibraryNotFoundError):
+            library = sniffio.current_async_library()
+    if library in (None, "asyncio"):
+        try:
+            return AsyncioServices(asyncio.get_running_loop())
+        except RuntimeError:
+            pass
+    if library == "trio":
+        return TrioServices()
+    raise RuntimeError("uring_kv must be used from a running asyncio event loop or trio run"
+                       + (f" (found {library})" if library else ""))
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
