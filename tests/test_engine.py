@@ -372,3 +372,45 @@ async def test_cancelled_call_waits_for_its_enqueued_copies(make_engine: EngineF
         await anyio.sleep(0.1)
         assert [identify(caches, g) for g in range(4, 8)] == [(7, 9, True)] * 4
         assert engine.metrics()["load"]["batches"] == 1
+
+
+async def test_cancelled_aclose_still_closes(make_engine: EngineFactory) -> None:
+    """aclose cancelled while a slow store is in flight: it finishes closing (file removed, nothing
+    held) before the cancellation is raised. Mutation tried: aclose without run_to_completion (the
+    engine stayed 'closing' with its file and threads)."""
+    caches = id_caches("cpu", blocks=8)
+    engine = make_engine(caches, 8, num_slots=2, copy_delay=0.02)
+    await engine.open()
+    async with task_group() as tasks:
+        store = tasks.spawn(engine.store_batch, list(range(8)), list(range(8)))
+        await anyio.sleep(0.005)
+        closing = tasks.spawn(engine.aclose)
+        await anyio.sleep(0.005)
+        closing.cancel()
+        await closing.join()
+        assert closing.cancelled
+        assert engine.closed and not os.path.exists(engine.path)
+        await store.join()
+
+
+async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """open() cancelled while the file is being created (in a worker thread): the file that the
+    thread creates anyway is closed and removed. Mutation tried: no clean-up of the thread's result."""
+    import uring_kv._engine as engine_module
+    from uring_kv._file import BlockFile
+
+    real = BlockFile
+
+    def slow_block_file(*args: Any) -> Any:
+        time.sleep(0.05)
+        return real(*args)
+
+    monkeypatch.setattr(engine_module, "BlockFile", slow_block_file)
+    engine = make_engine(id_caches("cpu", blocks=2), 2, num_slots=1)
+    async with task_group() as tasks:
+        opening = tasks.spawn(engine.open)
+        await anyio.sleep(0.01)
+        opening.cancel()
+        await opening.join()
+    assert opening.cancelled
+    assert engine.closed and not os.path.exists(engine.path)

@@ -196,7 +196,7 @@ class Engine:
         try:
             self._svc = current_services()
             self.file = await self._svc.to_thread(BlockFile, self.path, self.block_bytes, self.num_disk_blocks,
-                                                  self._direct, cleanup=BlockFile.close)
+                                                  self._direct, cleanup=_close_file)
         except BaseException:
             self._state = "closed"
             raise
@@ -258,11 +258,15 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop accepting work, let in-flight batches finish, wait for every I/O and copy, free all."""
+        """Stop accepting work, let in-flight batches finish, wait for every I/O and copy, free all.
+        Cancelling it does not stop it half way: it finishes closing, then raises the cancellation."""
         if self._state in ("closed", "closing", "new"):
             self._state = "closed" if self._state == "new" else self._state
             return
         self._state = "closing"
+        await self._svc.run_to_completion(self._close())
+
+    async def _close(self) -> None:
         for batch in list(self._active):
             await self._svc.wait_through_cancellation(batch.done)
         await self.io.drain()
@@ -637,6 +641,10 @@ class Engine:
             batch.done.set_result(None)
         if batch.failures and not batch.done.cancelled():
             batch.done.exception()  # mark retrieved: a cancelled caller may never look at it
+
+
+def _close_file(file: BlockFile) -> None:
+    file.close()
 
 
 def _crc32c(addr: int, length: int) -> int:

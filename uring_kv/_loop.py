@@ -25,7 +25,7 @@ import contextlib
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 log = logging.getLogger("uring_kv")
@@ -47,7 +47,13 @@ class LoopServices(ABC):
 
     @abstractmethod
     async def wait_through_cancellation(self, fut: Any) -> None:
-        """Wait until ``fut`` is done, whatever cancellation arrives meanwhile."""
+        """Wait until ``fut`` is done, whatever cancellation arrives meanwhile (its error, if it
+        failed, is left for its owner: this only waits)."""
+
+    @abstractmethod
+    async def run_to_completion(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``coro`` to its end even if the caller is cancelled meanwhile; then re-raise the
+        cancellation (for clean-up that must not stop half way, like closing the engine)."""
 
     @abstractmethod
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...
@@ -109,8 +115,16 @@ class AsyncioServices(LoopServices):
 
     async def wait_through_cancellation(self, fut: Any) -> None:
         while not fut.done():
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.shield(fut)
+
+    async def run_to_completion(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        task = self.loop.create_task(coro)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await self.wait_through_cancellation(task)
+            raise
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         self.loop.call_soon(fn, *args)
@@ -276,8 +290,21 @@ class TrioServices(LoopServices):
 
     async def to_thread(self, fn: Callable[..., Any], *args: Any,
                         cleanup: Callable[[Any], None] | None = None) -> Any:
-        # Not abandoned on cancellation: trio returns the result and cancels at the next checkpoint.
-        return await self._trio.to_thread.run_sync(fn, *args)
+        # Not abandoned on cancellation: the thread's result arrives, then the cancellation.
+        result = await self._trio.to_thread.run_sync(fn, *args)
+        try:
+            await self._trio.lowlevel.checkpoint_if_cancelled()
+        except self._trio.Cancelled:
+            if cleanup is not None:
+                cleanup(result)
+            raise
+        return result
+
+    async def run_to_completion(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        with self._trio.CancelScope(shield=True):
+            result = await coro
+        await self._trio.lowlevel.checkpoint_if_cancelled()
+        return result
 
     async def sleep(self, seconds: float) -> None:
         await self._trio.sleep(seconds)
