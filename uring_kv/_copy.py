@@ -20,21 +20,24 @@ from uring_kv._native import BlockCopier, cuda_copy_path, load_cuda_driver
 
 
 class HostEvent:
-    """The CPU-mode stand-in for a CUDA event: set by the copier thread once the copy is done."""
+    """The CPU-mode stand-in for a CUDA event: set by the copier thread once the copy is done.
+    A lock held until then (cheaper to make than a threading.Event, which builds a Condition)."""
 
-    __slots__ = ("_flag",)
+    __slots__ = ("_held",)
 
     def __init__(self) -> None:
-        self._flag = threading.Event()
+        self._held = threading.Lock()
+        self._held.acquire()
 
     def synchronize(self) -> None:
-        self._flag.wait()
+        with self._held:
+            pass
 
     def query(self) -> bool:
-        return self._flag.is_set()
+        return not self._held.locked()
 
     def set(self) -> None:
-        self._flag.set()
+        self._held.release()
 
 
 class HostCopier:

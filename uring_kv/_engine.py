@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import operator
 import os
 import time
@@ -209,7 +210,12 @@ class Engine:
         return self
 
     def _open_rest(self) -> None:
-        self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=not self.file.direct)
+        # IOSQE_ASYNC: buffered reads would otherwise run inline in io_uring_enter, on the loop
+        # thread. URING_KV_SQE_ASYNC=1 sets it for O_DIRECT too (a device whose queue fills up makes
+        # even a direct submission wait), =0 never.
+        forced = os.environ.get("URING_KV_SQE_ASYNC", "")
+        async_io = {"1": True, "0": False}.get(forced, not self.file.direct)
+        self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=async_io)
         self.pool = SlotPool(self.num_slots, self.file.stride, self._svc)
         self._host_registered = False
         if self.gpu:
@@ -438,9 +444,10 @@ class Engine:
                     if not more:
                         break
                     blocks[started].lease = more[0]
-                    self._metrics[batch.kind].slot_wait_s.observe(0.0)
                     group.append(blocks[started])
                     started += 1
+                if len(group) > 1:
+                    self._metrics[batch.kind].slot_wait_s.observe(0.0, len(group) - 1)
                 self._start(batch, group)
         finally:
             for block in blocks[started:]:  # never started: unblock whoever waits on them, but
@@ -657,5 +664,4 @@ def _crc32c(addr: int, length: int) -> int:
         view.release()
 
 
-def _bind(handler: Any, arg: Any) -> Any:
-    return lambda *rest: handler(arg, *rest)
+_bind = functools.partial  # handler(arg, *completion args): a C-level call, no Python frame of its own

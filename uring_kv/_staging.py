@@ -98,6 +98,7 @@ class SlotPool:
         self.leases = [Lease(i, self.slab.addr + i * stride) for i in range(num_slots)]
         self._free: deque[Lease] = deque(self.leases)
         self._waiters: tuple[deque[Any], deque[Any]] = (deque(), deque())  # futures of Lease
+        self._waiting = [0, 0]  # per kind: waiters not yet granted nor cancelled
         self.reissues = 0  # leases handed out, for tests and metrics
 
     @property
@@ -112,10 +113,9 @@ class SlotPool:
         return lease
 
     def _may_bypass(self, kind: Kind) -> bool:
-        loads_waiting = any(not f.done() for f in self._waiters[Kind.LOAD])
         if kind is Kind.LOAD:
-            return not loads_waiting
-        return not loads_waiting and not any(not f.done() for f in self._waiters[Kind.STORE])
+            return not self._waiting[Kind.LOAD]
+        return not self._waiting[Kind.LOAD] and not self._waiting[Kind.STORE]
 
     def try_acquire(self, kind: Kind, limit: int) -> list[Lease]:
         """Up to ``limit`` free leases now, without jumping the queue."""
@@ -132,10 +132,13 @@ class SlotPool:
             return got[0]
         fut = self._svc.create_future()
         self._waiters[kind].append(fut)
+        self._waiting[kind] += 1
         try:
             lease: Lease = await self._svc.wait(fut)
         except self._svc.cancelled:
-            if not fut.cancel():  # already granted, but never used by anybody
+            if fut.cancel():
+                self._waiting[kind] -= 1
+            else:  # already granted, but never used by anybody
                 self.release_unused(fut.result())
             raise
         return lease
@@ -161,6 +164,7 @@ class SlotPool:
             while queue:
                 fut = queue.popleft()
                 if not fut.done():
+                    self._waiting[kind] -= 1
                     fut.set_result(self._grant(lease, kind))
                     return
         self._free.append(lease)

@@ -2,7 +2,7 @@
 
 ``engine.metrics()`` returns a plain-dict snapshot; :class:`PrometheusCollector` exposes the same
 numbers to prometheus-client (``pip install uring-kv[prometheus]``). Recording costs a few integer
-additions per batch and one bisect per block (slot wait): nothing here runs per byte.
+additions per batch and one bisect per slot grant (slot wait): nothing here runs per byte.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ class Histogram:
     total: float = 0.0
     count: int = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.total += value * times
+        self.count += times
 
     def snapshot(self) -> dict[str, Any]:
         cumulative, running = [], 0
