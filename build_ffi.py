@@ -139,6 +139,15 @@ int ukv_cuda_batch_error(void);
 int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream);
+int ukv_cuda_ctx_current(uint64_t *ctx);
+int ukv_cuda_event_new(uint64_t ctx, uint64_t *event);
+int ukv_cuda_event_free(uint64_t ctx, uint64_t event);
+int ukv_cuda_event_sync(uint64_t ctx, uint64_t event);
+int ukv_cuda_event_query(uint64_t event);
+int ukv_cuda_copy_evented(uint64_t ctx, uint64_t wait_event, uint64_t done_event, unsigned ntensors,
+                          const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
+                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
+                          uint64_t stream);
 """
 
 SOURCE = (Path(__file__).resolve().parent / "uring_kv" / "_native.c").read_text()

@@ -123,11 +123,17 @@ def reported_errors() -> Iterator[list[Any]]:
     previous = loop.get_exception_handler() if loop is not None else None
     if loop is not None:
         loop.set_exception_handler(lambda loop, context: errors.append(context))
-    logging.getLogger("uring_kv").addHandler(collector)
+    logger = logging.getLogger("uring_kv")
+    outer = [h for h in logger.handlers if isinstance(h, _ErrorCollector)]  # an enclosing collector
+    for handler in outer:  # does not see what this one collects (as with asyncio's single handler)
+        logger.removeHandler(handler)
+    logger.addHandler(collector)
     try:
         yield errors
     finally:
-        logging.getLogger("uring_kv").removeHandler(collector)
+        logger.removeHandler(collector)
+        for handler in outer:
+            logger.addHandler(handler)
         if loop is not None:
             loop.set_exception_handler(previous)
 

@@ -17,7 +17,7 @@ import anyio
 import pytest
 import torch
 from aio import gather, settle, task_group
-from conftest import BOTH_BACKENDS, EngineFactory, random_caches
+from conftest import BOTH_BACKENDS, EngineFactory, random_caches, reported_errors
 
 from uring_kv import BlockIOError, Engine
 from uring_kv._staging import Kind, LeaseState
@@ -98,13 +98,13 @@ async def test_seed_race_detector_catches_release_on_submit(make_engine: EngineF
             for block in group:
                 self.pool.release(block.lease)  # the bug: the copy may still be reading this slot
 
-    def on_copied(self: Engine, group: list[Any]) -> None:
+    def on_copied(self: Engine, group: list[Any], error: BaseException | None = None) -> None:
         if group[0].batch.kind is Kind.LOAD:
             for block in group:
                 block.lease = None
                 self._batch_block_done(block.batch)
             return
-        original_on_copied(self, group)
+        original_on_copied(self, group, error)
 
     monkeypatch.setattr(Engine, "_enqueue_copy", enqueue_then_release)
     monkeypatch.setattr(Engine, "_on_copied", on_copied)
@@ -414,3 +414,35 @@ async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeyp
         await opening.join()
     assert opening.cancelled
     assert engine.closed and not os.path.exists(engine.path)
+
+
+async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engine: EngineFactory,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy the copier could not do (a CUDA error in GPU mode) must fail its blocks with EIO, not
+    count them as moved; a store that failed that way leaves its disk block unreadable rather than
+    stale. Mutation tried: ignoring the copier's error (the load 'succeeded' with the old bytes)."""
+    from uring_kv._native import BlockCopier
+
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 8, num_slots=2) as engine:
+        await store_identity(engine, caches, 4)
+        real_host = BlockCopier.host
+        failing = {"left": 1}
+
+        def flaky_host(self: BlockCopier, to_slot: bool, slot_addrs: Any, gpu_blocks: Any) -> None:
+            if to_slot and slot_addrs and failing["left"]:
+                failing["left"] -= 1
+                raise RuntimeError("injected copy failure")
+            real_host(self, to_slot, slot_addrs, gpu_blocks)
+
+        monkeypatch.setattr(BlockCopier, "host", flaky_host)
+        fill(caches, 5, 2, 2)
+        with reported_errors() as errors, pytest.raises(BlockIOError) as info:
+            await engine.store_batch([5], [2])
+        assert info.value.failures == {2: 5}
+        assert len(errors) == 1 and "copy failed" in str(errors[0])
+        with pytest.raises(BlockIOError, match="disk block"):
+            await engine.load_batch([2], [6])
+        await engine.load_batch([1], [7])  # the others are intact, the engine goes on
+        assert identify(caches, 7) == (1, 1, True)
+        assert engine.stats()["leases_held"] == 0

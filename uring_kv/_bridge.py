@@ -47,6 +47,10 @@ class Bridge:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def call_soon_threadsafe(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn(*args)`` on the loop, from any thread (the copiers' submit threads use it)."""
+        self._svc.call_soon_threadsafe(fn, *args)
+
     def watch(self, event: Waitable, on_done: Callable[[], None]) -> None:
         self.pending += 1
         with self._cv:

@@ -54,10 +54,15 @@ class _Batch:
     to_enqueue: int
     failures: dict[int, int] = field(default_factory=dict)
     ready: list[_Block] = field(default_factory=list)
-    last_event: Any = None
+    last_event: Any = None  # for the caller: fires once every copy of the batch is done
+    copied: bool = False  # some copy of this batch was enqueued
+    marking: bool = False  # the copier was asked for the batch's event
     size: int = 0
     skipped: int = 0  # blocks never started (the batch was cancelled)
     created: float = field(default_factory=time.monotonic)
+
+
+COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
 
 
 class TransferHandle:
@@ -419,6 +424,8 @@ class Engine:
     def _new_batch(self, kind: Kind, after: Any, count: int) -> _Batch:
         batch = _Batch(kind, after, count, self._svc.create_future(), self._svc.create_future(), count,
                        size=count)
+        if after is not None:  # every copy of this batch, whenever enqueued, runs after the caller's work
+            self.copier.order_after(kind is Kind.STORE, after)
         self._active.add(batch)
         if count == 0:
             self._check_batch(batch)
@@ -489,10 +496,17 @@ class Engine:
             self._enqueue_copy(batch, group)
 
     def _enqueue_copy(self, batch: _Batch, group: list[_Block]) -> None:
-        slot_addrs = [b.lease.addr for b in group if b.lease is not None]
-        event = self.copier.copy(batch.kind is Kind.STORE, slot_addrs, [b.gpu_block for b in group],
-                                 batch.after, _bind(self._on_copied, group))
-        batch.last_event = event
+        # Copy calls of at most ~COPY_CALL_PIECES pieces (one per tensor and block), each with its own
+        # event: the driver takes 1-2 µs of CPU per piece, so one call for 32 blocks of 32 layers
+        # would hold all 32 slots until the last piece is enqueued and copied; smaller calls hand
+        # slots back as they go, and reads and copies overlap instead of taking turns.
+        step = max(1, COPY_CALL_PIECES // len(self._tensors))
+        for first in range(0, len(group), step):
+            chunk = group[first:first + step]
+            slot_addrs = [b.lease.addr for b in chunk if b.lease is not None]
+            self.copier.copy(batch.kind is Kind.STORE, slot_addrs, [b.gpu_block for b in chunk],
+                             _bind(self._on_copied, chunk))
+        batch.copied = True
         batch.to_enqueue -= len(group)
         self._check_enqueued(batch)
 
@@ -553,8 +567,11 @@ class Engine:
             group, batch.ready = batch.ready, []
             self._enqueue_copy(batch, group)
 
-    def _on_copied(self, group: list[_Block]) -> None:
+    def _on_copied(self, group: list[_Block], error: BaseException | None = None) -> None:
         batch = group[0].batch
+        if error is not None:
+            self._copy_failed(group, error)
+            return
         if batch.kind is Kind.LOAD:
             for block in group:
                 assert block.lease is not None
@@ -621,9 +638,35 @@ class Engine:
         elif self._last_store.get(block.disk_block) is fut:
             del self._last_store[block.disk_block]
 
+    def _copy_failed(self, group: list[_Block], error: BaseException) -> None:
+        """The copier could not enqueue these copies (it waited for whatever it did enqueue): the
+        blocks fail with EIO; a store's disk block keeps no trustworthy bytes."""
+        self._svc.report("uring_kv copy failed", error)
+        batch = group[0].batch
+        for block in group:
+            lease = block.lease
+            assert lease is not None
+            block.lease = None
+            batch.failures[block.disk_block] = errno.EIO
+            self.pool.release(lease)  # load COPYING / store COPYING → FREE: nothing uses the slot now
+            if batch.kind is Kind.STORE:
+                self._invalid[block.disk_block] = errno.EIO
+                self._sums.pop(block.disk_block, None)
+                self._phase_finished(block)
+            self._batch_block_done(batch)
+
     def _check_enqueued(self, batch: _Batch) -> None:
-        if batch.to_enqueue == 0 and not batch.enqueued.done():
-            batch.enqueued.set_result(batch.last_event)
+        if batch.to_enqueue == 0 and not batch.marking and not batch.enqueued.done():
+            if batch.copied:  # one event for the caller, recorded after the batch's last copy
+                batch.marking = True
+                self.copier.marker(batch.kind is Kind.STORE, _bind(self._marked, batch))
+            else:
+                batch.enqueued.set_result(None)
+
+    def _marked(self, batch: _Batch, event: Any) -> None:
+        batch.last_event = event
+        if not batch.enqueued.done():
+            batch.enqueued.set_result(event)
 
     def _batch_block_done(self, batch: _Batch) -> None:
         batch.remaining -= 1

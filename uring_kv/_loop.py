@@ -273,14 +273,15 @@ class TrioServices(LoopServices):
 
     async def _watch(self, fd: int, callback: Callable[[], None], scope: Any) -> None:
         with scope:
-            while True:
+            # Checked before every wait: once remove_reader ran, the fd may be closed (or reused),
+            # and registering a closed fd with trio's epoll is a fatal error for the whole run.
+            while not scope.cancel_called:
                 try:
                     await self._trio.lowlevel.wait_readable(fd)
                 except self._trio.ClosedResourceError:
                     return
-                if scope.cancel_called:
-                    return
-                self._guarded(callback, ())
+                if not scope.cancel_called:
+                    self._guarded(callback, ())
 
     def remove_reader(self, fd: int) -> None:
         scope = self._readers.pop(fd, None)

@@ -258,6 +258,20 @@ typedef int (*batch_v1_fn)(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t
                            size_t *attr_idxs, size_t num_attrs, size_t *fail_idx, void *stream);
 enum { UKV_LOC_DEVICE = 1, UKV_LOC_HOST = 2, UKV_ORDER_STREAM = 1 };
 
+typedef int (*event_create_fn)(uint64_t *event, unsigned flags);
+typedef int (*event_fn)(uint64_t event);
+typedef int (*event_record_fn)(uint64_t event, void *stream);
+typedef int (*stream_wait_event_fn)(void *stream, uint64_t event, unsigned flags);
+typedef int (*ctx_get_fn)(uint64_t *ctx);
+typedef int (*ctx_set_fn)(uint64_t ctx);
+enum { UKV_EVENT_BLOCKING_SYNC = 0x1, UKV_EVENT_DISABLE_TIMING = 0x2 };
+
+static event_create_fn p_event_create;
+static event_fn p_event_destroy, p_event_sync, p_event_query;
+static event_record_fn p_event_record;
+static stream_wait_event_fn p_stream_wait_event;
+static ctx_get_fn p_ctx_get;
+static ctx_set_fn p_ctx_set;
 static memcpy_htod_fn p_htod;
 static memcpy_dtoh_fn p_dtoh;
 static batch_v2_fn p_batch_v2;
@@ -274,7 +288,17 @@ int ukv_cuda_load(void) {
     p_dtoh = (memcpy_dtoh_fn)dlsym(lib, "cuMemcpyDtoHAsync_v2");
     p_batch_v2 = (batch_v2_fn)dlsym(lib, "cuMemcpyBatchAsync_v2");
     if (!p_batch_v2) p_batch_v1 = (batch_v1_fn)dlsym(lib, "cuMemcpyBatchAsync");
-    return p_htod && p_dtoh ? 0 : -ENOSYS;
+    p_event_create = (event_create_fn)dlsym(lib, "cuEventCreate");
+    p_event_destroy = (event_fn)dlsym(lib, "cuEventDestroy_v2");
+    p_event_sync = (event_fn)dlsym(lib, "cuEventSynchronize");
+    p_event_query = (event_fn)dlsym(lib, "cuEventQuery");
+    p_event_record = (event_record_fn)dlsym(lib, "cuEventRecord");
+    p_stream_wait_event = (stream_wait_event_fn)dlsym(lib, "cuStreamWaitEvent");
+    p_ctx_get = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
+    p_ctx_set = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
+    int events = p_event_create && p_event_destroy && p_event_sync && p_event_query && p_event_record &&
+                 p_stream_wait_event && p_ctx_get && p_ctx_set;
+    return p_htod && p_dtoh && events ? 0 : -ENOSYS;
 }
 
 /* 2: cuMemcpyBatchAsync_v2 (CUDA 13), 1: cuMemcpyBatchAsync (12.8/12.9), 0: per-copy calls only. */
@@ -331,5 +355,49 @@ int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
     }
     if (rc) rc = copy_one_by_one(n, dsts, srcs, sizes, to_slot, s);
     free(dsts); free(srcs); free(sizes);
+    return rc;
+}
+
+/* Events and contexts through the driver, so that one copy call from Python is one C call: make
+ * the engine's context current on this thread (a no-op when it is), wait for `wait_event` (the
+ * caller's ordering event, 0 for none), enqueue the copies, record `done_event`. */
+int ukv_cuda_ctx_current(uint64_t *ctx) { return p_ctx_get(ctx); }
+
+static int use_ctx(uint64_t ctx) {
+    uint64_t current = 0;
+    int rc = p_ctx_get(&current);
+    if (rc == 0 && current != ctx) rc = p_ctx_set(ctx);
+    return rc;
+}
+
+int ukv_cuda_event_new(uint64_t ctx, uint64_t *event) {
+    int rc = use_ctx(ctx);
+    return rc ? rc : p_event_create(event, UKV_EVENT_BLOCKING_SYNC | UKV_EVENT_DISABLE_TIMING);
+}
+
+int ukv_cuda_event_free(uint64_t ctx, uint64_t event) {
+    int rc = use_ctx(ctx);
+    return rc ? rc : p_event_destroy(event);
+}
+
+/* Blocks (sleeping in the driver: the events are BLOCKING_SYNC) until the event has fired. */
+int ukv_cuda_event_sync(uint64_t ctx, uint64_t event) {
+    int rc = use_ctx(ctx);
+    return rc ? rc : p_event_sync(event);
+}
+
+/* 0: fired; 600 (CUDA_ERROR_NOT_READY): not yet; anything else: an error. */
+int ukv_cuda_event_query(uint64_t event) { return p_event_query(event); }
+
+int ukv_cuda_copy_evented(uint64_t ctx, uint64_t wait_event, uint64_t done_event, unsigned ntensors,
+                          const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
+                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
+                          uint64_t stream) {
+    void *s = (void *)(uintptr_t)stream;
+    int rc = use_ctx(ctx);
+    if (!rc && wait_event) rc = p_stream_wait_event(s, wait_event, 0);
+    if (!rc) rc = ukv_cuda_copy(ntensors, bases, block_bytes, slot_offsets, to_slot, nblocks, slot_addrs, gpu_blocks,
+                                stream);
+    if (!rc) rc = p_event_record(done_event, s);
     return rc;
 }

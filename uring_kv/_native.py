@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -204,3 +205,76 @@ class BlockCopier:
         )
         if rc:
             raise CudaError(int(rc), "cuMemcpyAsync")
+
+    def cuda_evented(self, ctx: int, wait_event: int, done: CudaEvent, to_slot: bool, slot_addrs: Sequence[int],
+                     gpu_blocks: Sequence[int], stream: int) -> None:
+        """One C call: make ``ctx`` current, wait for ``wait_event`` (0: none), enqueue the copies
+        on ``stream``, record ``done`` after them."""
+        rc = _lib.ukv_cuda_copy_evented(
+            ctx, wait_event, done.handle, self._n, self._bases, self._block_bytes, self._slot_offsets, int(to_slot),
+            len(slot_addrs), ffi.new("uint64_t[]", slot_addrs), ffi.new("int64_t[]", gpu_blocks), stream,
+        )
+        if rc:
+            raise CudaError(int(rc), "enqueueing block copies")
+
+
+_CUDA_ERROR_NOT_READY = 600
+
+
+def cuda_current_context() -> int:
+    """The CUcontext current on this thread (0 if none)."""
+    ctx = ffi.new("uint64_t *")
+    rc = _lib.ukv_cuda_ctx_current(ctx)
+    if rc:
+        raise CudaError(int(rc), "cuCtxGetCurrent")
+    return int(ctx[0])
+
+
+class CudaEvent:
+    """A driver event (blocking sync, no timing) in context ``ctx``: the bridge waits on it with the
+    GIL released (cffi drops it around every C call)."""
+
+    __slots__ = ("_unrecorded", "ctx", "error", "handle")
+
+    def __init__(self, ctx: int) -> None:
+        out = ffi.new("uint64_t *")
+        rc = _lib.ukv_cuda_event_new(ctx, out)
+        if rc:
+            raise CudaError(int(rc), "cuEventCreate")
+        self.ctx = ctx
+        self.handle = int(out[0])
+        self.error: BaseException | None = None  # the enqueue failed (set before recorded())
+        self._unrecorded = threading.Lock()  # held from arm() until the submit thread has recorded it
+
+    def arm(self) -> None:
+        """About to be handed to a submit thread: waiters must wait for ``recorded()`` first."""
+        self._unrecorded.acquire()
+
+    def recorded(self) -> None:
+        self._unrecorded.release()
+
+    def synchronize(self) -> None:
+        with self._unrecorded:  # an event never recorded would count as fired at once
+            pass
+        if self.error is not None:
+            return  # nothing more to wait for: the submit thread synchronized the stream
+        rc = _lib.ukv_cuda_event_sync(self.ctx, self.handle)
+        if rc:
+            raise CudaError(int(rc), "cuEventSynchronize")
+
+    def query(self) -> bool:
+        if self._unrecorded.locked():
+            return False
+        if self.error is not None:
+            return True
+        rc = _lib.ukv_cuda_event_query(self.handle)
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        if rc:
+            raise CudaError(int(rc), "cuEventQuery")
+        return True
+
+    def destroy(self) -> None:
+        if self.handle:
+            _lib.ukv_cuda_event_free(self.ctx, self.handle)
+            self.handle = 0
