@@ -22,15 +22,24 @@ def bf16_layers(layers: int = 32, blocks: int = 64, seed: int = 0) -> dict[str, 
                                                 dtype=torch.float32).to(torch.bfloat16) for i in range(layers)}
 
 
-@pytest.mark.parametrize("batch", ["1", "0"], ids=["batched-copies", "per-copy"])
+COPY_PATHS = {  # id: (URING_KV_CUDA_STAGED, URING_KV_CUDA_BATCH, how stats()["copy"] starts)
+    "staged": ("1", "1", "staged"),
+    "batched-copies": ("0", "1", "cuMemcpyBatchAsync"),
+    "per-copy": ("0", "0", "per-copy"),
+}
+
+
+@pytest.mark.parametrize("path", list(COPY_PATHS))
 @pytest.mark.parametrize("io", ["uring", "threads"])
-async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, batch: str,
+async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, path: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    staged, batch, description = COPY_PATHS[path]
+    monkeypatch.setenv("URING_KV_CUDA_STAGED", staged)
     monkeypatch.setenv("URING_KV_CUDA_BATCH", batch)
     caches = bf16_layers()
     reference = {k: v.clone() for k, v in caches.items()}
     async with Engine(caches, tmp_path / "kv.bin", 256, num_slots=16, io=io) as engine:
-        assert engine.stats()["copy"].startswith("cuMemcpyBatchAsync" if batch == "1" else "per-copy")
+        assert engine.stats()["copy"].startswith(description)
         await engine.store_batch(list(range(64)), list(range(100, 164)))
         for t in caches.values():
             t.zero_()

@@ -109,6 +109,54 @@ class HostCopier:
         self._thread.join()
 
 
+# The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
+# block's device staging slot and the tensor. UKV_STAGED_MAX and the struct match _native.c.
+_SCATTER_SOURCE = r"""
+#define UKV_STAGED_MAX 8
+struct UkvBlocks { unsigned long long staging[UKV_STAGED_MAX]; long long gpu[UKV_STAGED_MAX]; };
+extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlocks b, int to_slot) {
+    const unsigned long long base = table[3 * blockIdx.x], n = table[3 * blockIdx.x + 1],
+                             off = table[3 * blockIdx.x + 2];
+    char* dev = (char*)(base + (unsigned long long)b.gpu[blockIdx.y] * n);
+    char* stage = (char*)(b.staging[blockIdx.y] + off);
+    char* dst = to_slot ? stage : dev;
+    const char* src = to_slot ? dev : stage;
+    if ((((unsigned long long)dst | (unsigned long long)src | n) & 15ULL) == 0) {
+        uint4* d = (uint4*)dst;
+        const uint4* s = (const uint4*)src;
+        for (unsigned long long k = threadIdx.x; k < n / 16; k += blockDim.x) d[k] = s[k];
+    } else {
+        for (unsigned long long k = threadIdx.x; k < n; k += blockDim.x) dst[k] = src[k];
+    }
+}
+"""
+
+
+_KERNELS: dict[int, Any] = {}
+
+
+class _Staging:
+    """Device staging for the staged copy path: one device slot per host slot, the tensor table on
+    the device, the compiled scatter/gather kernel."""
+
+    def __init__(self, torch: Any, device: Any, blocks: BlockCopier, host_base: int, stride: int, slots: int,
+                 used_bytes: int) -> None:
+        index = torch.device(device).index
+        key = torch.cuda.current_device() if index is None else index
+        if key not in _KERNELS:  # NVRTC takes a while: once per device and process
+            _KERNELS[key] = torch.cuda._compile_kernel(_SCATTER_SOURCE, "ukv_scatter")
+        self.kernel = _KERNELS[key]
+        self.func = int(self.kernel.func.value)
+        self.table_tensor = torch.tensor([v for row in blocks.table for v in row], dtype=torch.int64, device=device)
+        self.table = int(self.table_tensor.data_ptr())
+        self.slots_tensor = torch.empty(slots * stride, dtype=torch.uint8, device=device)
+        self.dev_base = int(self.slots_tensor.data_ptr())
+        self.host_base, self.stride, self.used_bytes = host_base, stride, used_bytes
+
+    def dev_slots(self, slot_addrs: Sequence[int]) -> list[int]:
+        return [self.dev_base + (addr - self.host_base) for addr in slot_addrs]
+
+
 class _Lane:
     """One submit thread and the stream it enqueues on."""
 
@@ -135,7 +183,7 @@ class CudaCopier:
     """
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, delay: float = 0.0,
-                 lanes: int | None = None) -> None:
+                 lanes: int | None = None, staging: tuple[int, int, int, int] | None = None) -> None:
         import torch
 
         if not load_cuda_driver():
@@ -147,7 +195,20 @@ class CudaCopier:
         self._bridge = bridge
         self.device = device
         self._delay_cycles = int(delay * 1.5e9)  # torch.cuda._sleep counts GPU clock cycles
-        count = lanes if lanes is not None else int(os.environ.get("URING_KV_COPY_LANES", "2"))
+        # The staged path (one copy per block plus one kernel per call) unless turned off or the
+        # kernel cannot be built here (no NVRTC): then one driver copy per tensor and block.
+        self._staging: _Staging | None = None
+        self.staging_error = ""
+        if staging is not None and os.environ.get("URING_KV_CUDA_STAGED", "1") != "0":
+            try:
+                with torch.cuda.device(device):
+                    self._staging = _Staging(torch, device, blocks, *staging)
+            except Exception as exc:  # kept for `description`; the per-piece path still works
+                self.staging_error = f"{type(exc).__name__}: {exc}"
+        # Lanes: one is enough when a block costs two driver calls (staged), and keeps each
+        # direction's events in order for the bridge; the per-piece path needs two to keep up.
+        default = "1" if self._staging is not None else "2"
+        count = lanes if lanes is not None else int(os.environ.get("URING_KV_COPY_LANES", default))
         if count < 1:
             raise ValueError(f"copy lanes must be >= 1, got {count}")
         self._lanes: dict[bool, list[_Lane]] = {}
@@ -201,7 +262,12 @@ class CudaCopier:
                 if self._delay_cycles:
                     with self._torch.cuda.device(self.device), self._torch.cuda.stream(stream):
                         self._torch.cuda._sleep(self._delay_cycles)
-                self._blocks.cuda_evented(self._ctx, 0, event, to_slot, slot_addrs, gpu_blocks, handle)
+                staging = self._staging
+                if staging is not None:
+                    self._blocks.cuda_staged(self._ctx, staging.func, staging.table, staging.used_bytes, event,
+                                             to_slot, slot_addrs, staging.dev_slots(slot_addrs), gpu_blocks, handle)
+                else:
+                    self._blocks.cuda_evented(self._ctx, 0, event, to_slot, slot_addrs, gpu_blocks, handle)
             except Exception as exc:  # some copies may be enqueued: wait for them, then report
                 event.error = exc
                 with contextlib.suppress(Exception):
@@ -240,7 +306,9 @@ class CudaCopier:
 
     @property
     def description(self) -> str:
-        return cuda_copy_path()
+        if self._staging is not None:
+            return "staged: one copy per block + scatter kernel"
+        return cuda_copy_path() + (f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
 
     def close(self) -> None:
         for lane in self._all_lanes():

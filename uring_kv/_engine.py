@@ -236,7 +236,8 @@ class Engine:
         blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
         self.copier: HostCopier | CudaCopier
         if self.gpu:
-            self.copier = CudaCopier(blocks, self.bridge, self.device, self._copy_delay)
+            self.copier = CudaCopier(blocks, self.bridge, self.device, self._copy_delay,
+                                     staging=(self.pool.slab.addr, self.file.stride, self.num_slots, self.block_bytes))
         else:
             self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
 

@@ -262,6 +262,8 @@ typedef int (*event_create_fn)(uint64_t *event, unsigned flags);
 typedef int (*event_fn)(uint64_t event);
 typedef int (*event_record_fn)(uint64_t event, void *stream);
 typedef int (*stream_wait_event_fn)(void *stream, uint64_t event, unsigned flags);
+typedef int (*launch_fn)(uint64_t func, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                         unsigned shared, void *stream, void **params, void **extra);
 typedef int (*ctx_get_fn)(uint64_t *ctx);
 typedef int (*ctx_set_fn)(uint64_t ctx);
 enum { UKV_EVENT_BLOCKING_SYNC = 0x1, UKV_EVENT_DISABLE_TIMING = 0x2 };
@@ -270,6 +272,7 @@ static event_create_fn p_event_create;
 static event_fn p_event_destroy, p_event_sync, p_event_query;
 static event_record_fn p_event_record;
 static stream_wait_event_fn p_stream_wait_event;
+static launch_fn p_launch;
 static ctx_get_fn p_ctx_get;
 static ctx_set_fn p_ctx_set;
 static memcpy_htod_fn p_htod;
@@ -294,6 +297,7 @@ int ukv_cuda_load(void) {
     p_event_query = (event_fn)dlsym(lib, "cuEventQuery");
     p_event_record = (event_record_fn)dlsym(lib, "cuEventRecord");
     p_stream_wait_event = (stream_wait_event_fn)dlsym(lib, "cuStreamWaitEvent");
+    p_launch = (launch_fn)dlsym(lib, "cuLaunchKernel");
     p_ctx_get = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
     p_ctx_set = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
     int events = p_event_create && p_event_destroy && p_event_sync && p_event_query && p_event_record &&
@@ -398,6 +402,41 @@ int ukv_cuda_copy_evented(uint64_t ctx, uint64_t wait_event, uint64_t done_event
     if (!rc && wait_event) rc = p_stream_wait_event(s, wait_event, 0);
     if (!rc) rc = ukv_cuda_copy(ntensors, bases, block_bytes, slot_offsets, to_slot, nblocks, slot_addrs, gpu_blocks,
                                 stream);
+    if (!rc) rc = p_event_record(done_event, s);
+    return rc;
+}
+
+/* The staged path: one copy per block between the host slot and its device staging slot (the
+ * whole block, all tensors), and one scatter/gather kernel that moves every tensor's piece between
+ * the device staging slot and the cache tensors. 1 + 1/nblocks driver calls per block instead of
+ * one per tensor. Must match UKV_STAGED_MAX and struct UkvBlocks in _copy.py's kernel source. */
+#define UKV_STAGED_MAX 8
+struct ukv_blocks { uint64_t staging[UKV_STAGED_MAX]; int64_t gpu[UKV_STAGED_MAX]; };
+
+int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
+                         int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const uint64_t *dev_slots,
+                         const int64_t *gpu_blocks, uint64_t stream, uint64_t done_event) {
+    void *s = (void *)(uintptr_t)stream;
+    if (!p_launch) return 999; /* CUDA_ERROR_UNKNOWN: the driver has no cuLaunchKernel */
+    int rc = use_ctx(ctx);
+    for (unsigned first = 0; !rc && first < nblocks; first += UKV_STAGED_MAX) {
+        unsigned n = nblocks - first < UKV_STAGED_MAX ? nblocks - first : UKV_STAGED_MAX;
+        struct ukv_blocks b;
+        memset(&b, 0, sizeof b);
+        for (unsigned i = 0; i < n; i++) {
+            b.staging[i] = dev_slots[first + i];
+            b.gpu[i] = gpu_blocks[first + i];
+        }
+        int direction = to_slot;
+        void *params[] = {&table, &b, &direction};
+        if (!to_slot)
+            for (unsigned i = 0; !rc && i < n; i++)
+                rc = p_htod(dev_slots[first + i], (const void *)(uintptr_t)slot_addrs[first + i], used_bytes, s);
+        if (!rc) rc = p_launch(func, ntensors, n, 1, 256, 1, 1, 0, s, params, NULL);
+        if (to_slot)
+            for (unsigned i = 0; !rc && i < n; i++)
+                rc = p_dtoh((void *)(uintptr_t)slot_addrs[first + i], dev_slots[first + i], used_bytes, s);
+    }
     if (!rc) rc = p_event_record(done_event, s);
     return rc;
 }

@@ -186,6 +186,7 @@ class BlockCopier:
 
     def __init__(self, bases: Sequence[int], block_bytes: Sequence[int], slot_offsets: Sequence[int]) -> None:
         self._n = len(bases)
+        self.table = [(int(a), int(n), int(o)) for a, n, o in zip(bases, block_bytes, slot_offsets, strict=True)]
         self._bases = ffi.new("uint64_t[]", list(bases))
         self._block_bytes = ffi.new("uint64_t[]", list(block_bytes))
         self._slot_offsets = ffi.new("uint64_t[]", list(slot_offsets))
@@ -216,6 +217,20 @@ class BlockCopier:
         )
         if rc:
             raise CudaError(int(rc), "enqueueing block copies")
+
+
+    def cuda_staged(self, ctx: int, func: int, table: int, used_bytes: int, done: CudaEvent, to_slot: bool,
+                    slot_addrs: Sequence[int], dev_slots: Sequence[int], gpu_blocks: Sequence[int],
+                    stream: int) -> None:
+        """One C call: per block one copy between the host slot and its device staging slot, and
+        one kernel (``func``, tensor table at ``table``) moving the pieces to or from the caches;
+        then record ``done``."""
+        rc = _lib.ukv_cuda_copy_staged(
+            ctx, func, table, self._n, used_bytes, int(to_slot), len(slot_addrs), ffi.new("uint64_t[]", slot_addrs),
+            ffi.new("uint64_t[]", dev_slots), ffi.new("int64_t[]", gpu_blocks), stream, done.handle,
+        )
+        if rc:
+            raise CudaError(int(rc), "enqueueing staged block copies")
 
 
 _CUDA_ERROR_NOT_READY = 600
