@@ -69,6 +69,15 @@ async def gather(*calls: tuple[Callable[..., Awaitable[Any]], tuple[Any, ...]]) 
     return [await task.join() for task in spawned]
 
 
+async def run_then_cancel(tasks: Tasks, seconds: float, fn: Callable[..., Awaitable[Any]], *args: Any) -> Task:
+    """Spawn ``fn(*args)``, cancel it after ``seconds`` and wait until it has finished."""
+    task = tasks.spawn(fn, *args)
+    await anyio.sleep(seconds)
+    task.cancel()
+    await task.join()
+    return task
+
+
 async def settle() -> None:
     """Let every task run until it blocks (a spawned call has registered its batch)."""
     await anyio.wait_all_tasks_blocked()

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from aio import gather, settle, task_group
+from aio import gather, run_then_cancel, settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory, random_caches, reported_errors
 
 from uring_kv import BlockIOError, Engine
@@ -339,10 +339,8 @@ async def test_cancelled_call_returns_only_after_its_started_blocks(make_engine:
     async with make_engine(caches, 8, num_slots=2, copy_delay=0.02) as engine:
         await store_identity(engine, caches, 4)
         async with task_group() as tasks:
-            load = tasks.spawn(engine.load_batch, list(range(4)), list(range(4, 8)))
-            await anyio.sleep(0.005)  # two blocks are in flight (two slots)
-            load.cancel()
-            await load.join()
+            # cancelled while two blocks are in flight (two slots)
+            load = await run_then_cancel(tasks, 0.005, engine.load_batch, list(range(4)), list(range(4, 8)))
             assert load.cancelled
             for gpu_block in range(4, 8):
                 fill(caches, gpu_block, 7, 9)  # the caller reuses its blocks at once
@@ -384,10 +382,7 @@ async def test_cancelled_aclose_still_closes(make_engine: EngineFactory) -> None
     async with task_group() as tasks:
         store = tasks.spawn(engine.store_batch, list(range(8)), list(range(8)))
         await anyio.sleep(0.005)
-        closing = tasks.spawn(engine.aclose)
-        await anyio.sleep(0.005)
-        closing.cancel()
-        await closing.join()
+        closing = await run_then_cancel(tasks, 0.005, engine.aclose)
         assert closing.cancelled
         assert engine.closed and not os.path.exists(engine.path)
         await store.join()
@@ -408,10 +403,7 @@ async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeyp
     monkeypatch.setattr(engine_module, "BlockFile", slow_block_file)
     engine = make_engine(id_caches("cpu", blocks=2), 2, num_slots=1)
     async with task_group() as tasks:
-        opening = tasks.spawn(engine.open)
-        await anyio.sleep(0.01)
-        opening.cancel()
-        await opening.join()
+        opening = await run_then_cancel(tasks, 0.01, engine.open)
     assert opening.cancelled
     assert engine.closed and not os.path.exists(engine.path)
 
