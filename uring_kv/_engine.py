@@ -299,26 +299,28 @@ class Engine:
     def closed(self) -> bool:
         return self._state == "closed"
 
+    def _gauges(self) -> dict[str, Any]:
+        """What is held or in flight right now (all zero once closed)."""
+        is_open = hasattr(self, "pool") and self._state != "closed"
+        return {"leases_held": self.pool.held if is_open else 0,
+                "io_inflight": self.io.inflight if is_open else 0,
+                "copies_pending": self.bridge.pending if is_open else 0,
+                "oldest_lease_age_s": self.pool.oldest_age() if is_open else 0.0}
+
     def metrics(self) -> dict[str, Any]:
         """A snapshot: per direction (``load``, ``store``) bytes, blocks, failures, cancelled blocks,
         batches and histograms of batch latency and slot wait; gauges for leases held, copies
         pending, I/O in flight and the oldest lease's age."""
         snapshot: dict[str, Any] = {kind.name.lower(): m.snapshot() for kind, m in self._metrics.items()}
-        is_open = hasattr(self, "pool") and self._state != "closed"
-        snapshot.update(leases_held=self.pool.held if is_open else 0,
-                        copies_pending=self.bridge.pending if is_open else 0,
-                        io_inflight=self.io.inflight if is_open else 0,
-                        oldest_lease_age_s=self.pool.oldest_age() if is_open else 0.0)
+        snapshot.update(self._gauges())
         return snapshot
 
     def stats(self) -> dict[str, Any]:
-        """Counters for tests and monitoring: leases held, I/O and copies in flight."""
+        """The gauges of :meth:`metrics`, the number of active batches and what the engine chose
+        here: I/O path, copy path, O_DIRECT, fixed buffers, pinned bytes, event loop."""
         return {
-            "leases_held": self.pool.held,
-            "io_inflight": self.io.inflight,
-            "copies_pending": self.bridge.pending,
+            **self._gauges(),
             "active_batches": len(self._active),
-            "oldest_lease_age_s": self.pool.oldest_age(),
             "io": self.io.description,
             "copy": self.copier.description,
             "direct": self.file.direct,
