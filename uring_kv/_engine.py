@@ -449,13 +449,15 @@ class Engine:
                 group = [block]
                 started += 1
                 # Take more free slots now for the following blocks whose hazards are clear.
-                while started < len(blocks) and all(d.done() for d in blocks[started].deps):
-                    more = self.pool.try_acquire(batch.kind, 1)
-                    if not more:
-                        break
-                    blocks[started].lease = more[0]
-                    group.append(blocks[started])
-                    started += 1
+                clear = started
+                while clear < len(blocks) and _all_done(blocks[clear].deps):
+                    clear += 1
+                if clear > started:
+                    more = self.pool.try_acquire(batch.kind, clear - started)
+                    for lease in more:
+                        blocks[started].lease = lease
+                        group.append(blocks[started])
+                        started += 1
                 if len(group) > 1:
                     self._metrics[batch.kind].slot_wait_s.observe(0.0, len(group) - 1)
                 self._start(batch, group)
@@ -480,16 +482,16 @@ class Engine:
     def _start(self, batch: _Batch, group: list[_Block]) -> None:
         if batch.kind is Kind.LOAD:
             ops = []
+            fd, stride, invalid_blocks, on_read = self.file.fd, self.file.stride, self._invalid, self._on_read
             for block in group:
-                assert block.lease is not None
-                block.lease.advance(LeaseState.RESERVED)
-                invalid = self._invalid.get(block.disk_block)
-                if invalid is not None:  # its last store failed: no bytes to trust
-                    self._svc.call_soon(self._on_read, block, -invalid)
+                lease = block.lease
+                assert lease is not None
+                lease.advance(LeaseState.RESERVED)
+                if invalid_blocks and block.disk_block in invalid_blocks:  # its last store failed:
+                    self._svc.call_soon(on_read, block, -invalid_blocks[block.disk_block])  # no bytes to trust
                     continue
-                ops.append(Op(False, self.file.fd, block.lease.addr, self.file.stride,
-                              self.file.offset(block.disk_block), _bind(self._on_read, block),
-                              block.lease.index))
+                ops.append(Op(False, fd, lease.addr, stride, block.disk_block * stride, _bind(on_read, block),
+                              lease.index))
             if ops:
                 self.io.submit(ops)
         else:
@@ -600,12 +602,13 @@ class Engine:
 
     def _write(self, group: list[_Block]) -> None:
         ops = []
+        fd, stride, on_written = self.file.fd, self.file.stride, self._on_written
         for block in group:
-            assert block.lease is not None
-            block.lease.advance(LeaseState.COPYING)
-            ops.append(Op(True, self.file.fd, block.lease.addr, self.file.stride,
-                          self.file.offset(block.disk_block), _bind(self._on_written, block),
-                          block.lease.index))
+            lease = block.lease
+            assert lease is not None
+            lease.advance(LeaseState.COPYING)
+            ops.append(Op(True, fd, lease.addr, stride, block.disk_block * stride, _bind(on_written, block),
+                          lease.index))
         self.io.submit(ops)
 
     def _on_written(self, block: _Block, res: int) -> None:
@@ -694,6 +697,13 @@ class Engine:
             batch.done.set_result(None)
         if batch.failures and not batch.done.cancelled():
             batch.done.exception()  # mark retrieved: a cancelled caller may never look at it
+
+
+def _all_done(futures: list[Any]) -> bool:
+    for fut in futures:  # noqa: SIM110 - no generator per block on the hot path
+        if not fut.done():
+            return False
+    return True
 
 
 def _close_file(file: BlockFile) -> None:
