@@ -438,3 +438,33 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
         await engine.load_batch([1], [7])  # the others are intact, the engine goes on
         assert identify(caches, 7) == (1, 1, True)
         assert engine.stats()["leases_held"] == 0
+
+
+async def test_a_copy_event_that_cannot_be_waited_on_fails_its_blocks(make_engine: EngineFactory,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bridge's wait on a copy event raising (a broken CUDA context in GPU mode) must fail the
+    blocks with EIO, not kill the bridge thread and leave every later call waiting forever.
+    Mutation tried: letting the exception out of the bridge's wait (the load then hung until the
+    test timed out)."""
+    from uring_kv._copy import HostEvent
+
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 8, num_slots=2) as engine:
+        await store_identity(engine, caches, 4)
+        real_sync = HostEvent.synchronize
+        broken = {"left": 1}
+
+        def failing_sync(self: HostEvent) -> None:
+            real_sync(self)  # the copy itself is done; only the wait reports an error
+            if broken["left"]:
+                broken["left"] -= 1
+                raise RuntimeError("injected event failure")
+
+        monkeypatch.setattr(HostEvent, "synchronize", failing_sync)
+        with reported_errors() as errors, pytest.raises(BlockIOError) as info:
+            await engine.load_batch([3], [5])
+        assert info.value.failures == {3: 5}
+        assert len(errors) == 1 and "copy failed" in str(errors[0])
+        await engine.load_batch([2], [6])  # the bridge is still there
+        assert identify(caches, 6) == (2, 1, True)
+        assert engine.stats()["leases_held"] == 0

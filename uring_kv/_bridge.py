@@ -65,14 +65,14 @@ class Bridge:
                 if not self._items:
                     return
                 head_event = self._items[0][0]
-            head_event.synchronize()
+            _wait(head_event)
             fired_ns = time.perf_counter_ns()
             with self._cv:
                 batch = [self._items.popleft()]
                 kept: deque[tuple[Waitable, Callable[[], None]]] = deque()
                 while self._items:
                     item = self._items.popleft()
-                    (batch if item[0].query() else kept).append(item)
+                    (batch if _fired(item[0]) else kept).append(item)
                 self._items = kept
             try:
                 self._svc.call_soon_threadsafe(self._deliver, batch, fired_ns)
@@ -98,3 +98,26 @@ class Bridge:
             self._stopping = True
             self._cv.notify()
         self._thread.join()
+
+
+# An event whose wait fails (a CUDA error: the context is broken) is delivered as failed, with the
+# exception in its ``error``, rather than never: the engine then fails its blocks (EIO) instead of
+# waiting for them forever with the bridge thread gone.
+def _wait(event: Waitable) -> None:
+    try:
+        event.synchronize()
+    except Exception as exc:
+        _failed(event, exc)
+
+
+def _fired(event: Waitable) -> bool:
+    try:
+        return event.query()
+    except Exception as exc:
+        _failed(event, exc)
+        return True
+
+
+def _failed(event: Waitable, exc: Exception) -> None:
+    if getattr(event, "error", None) is None:
+        event.error = exc  # type: ignore[attr-defined]
