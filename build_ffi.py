@@ -147,7 +147,7 @@ int ukv_cuda_event_query(uint64_t event);
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const uint64_t *dev_slots,
                          const int64_t *gpu_blocks, uint64_t stream, uint64_t done_event);
-int ukv_cuda_copy_evented(uint64_t ctx, uint64_t wait_event, uint64_t done_event, unsigned ntensors,
+int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream);

@@ -30,6 +30,8 @@ from uring_kv._loop import LoopServices
 
 
 class Waitable(Protocol):
+    error: BaseException | None  # set when the copy or the wait for it failed
+
     def synchronize(self) -> None: ...
     def query(self) -> bool: ...
 
@@ -119,5 +121,5 @@ def _fired(event: Waitable) -> bool:
 
 
 def _failed(event: Waitable, exc: Exception) -> None:
-    if getattr(event, "error", None) is None:
-        event.error = exc  # type: ignore[attr-defined]
+    if event.error is None:
+        event.error = exc

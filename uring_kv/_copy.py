@@ -151,7 +151,7 @@ class _Staging:
         self.table = int(self.table_tensor.data_ptr())
         self.slots_tensor = torch.empty(slots * stride, dtype=torch.uint8, device=device)
         self.dev_base = int(self.slots_tensor.data_ptr())
-        self.host_base, self.stride, self.used_bytes = host_base, stride, used_bytes
+        self.host_base, self.used_bytes = host_base, used_bytes
 
     def dev_slots(self, slot_addrs: Sequence[int]) -> list[int]:
         return [self.dev_base + (addr - self.host_base) for addr in slot_addrs]
@@ -191,7 +191,7 @@ class CudaCopier:
         self._torch = torch
         self._blocks = blocks
         # URING_KV_CUDA_BATCH=0 turns cuMemcpyBatchAsync off (one driver call per tensor and block).
-        self.path = cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
+        cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
         self._bridge = bridge
         self.device = device
         self._delay_cycles = int(delay * 1.5e9)  # torch.cuda._sleep counts GPU clock cycles
@@ -219,8 +219,6 @@ class CudaCopier:
                                               self._submit_loop) for i in range(count)]
             self._marker_streams = {to_slot: torch.cuda.Stream(device) for to_slot in (False, True)}
             self._ctx = cuda_current_context()  # torch made the device's primary context current
-        self.load_stream = self._lanes[False][0].stream
-        self.store_stream = self._lanes[True][0].stream
         self._next = {False: 0, True: 0}
         self._free: list[CudaEvent] = []
         self._events: list[CudaEvent] = []
@@ -267,7 +265,7 @@ class CudaCopier:
                     self._blocks.cuda_staged(self._ctx, staging.func, staging.table, staging.used_bytes, event,
                                              to_slot, slot_addrs, staging.dev_slots(slot_addrs), gpu_blocks, handle)
                 else:
-                    self._blocks.cuda_evented(self._ctx, 0, event, to_slot, slot_addrs, gpu_blocks, handle)
+                    self._blocks.cuda_evented(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
             except Exception as exc:  # some copies may be enqueued: wait for them, then report
                 event.error = exc
                 with contextlib.suppress(Exception):

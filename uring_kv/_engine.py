@@ -47,7 +47,6 @@ class _Block:
 @dataclass(eq=False)
 class _Batch:
     kind: Kind
-    after: Any
     remaining: int
     done: Any  # future: every block finished
     enqueued: Any  # future: every copy enqueued
@@ -425,7 +424,7 @@ class Engine:
         return disk, gpu, after
 
     def _new_batch(self, kind: Kind, after: Any, count: int) -> _Batch:
-        batch = _Batch(kind, after, count, self._svc.create_future(), self._svc.create_future(), count,
+        batch = _Batch(kind, count, self._svc.create_future(), self._svc.create_future(), count,
                        size=count)
         if after is not None:  # every copy of this batch, whenever enqueued, runs after the caller's work
             self.copier.order_after(kind is Kind.STORE, after)

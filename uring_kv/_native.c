@@ -261,7 +261,6 @@ enum { UKV_LOC_DEVICE = 1, UKV_LOC_HOST = 2, UKV_ORDER_STREAM = 1 };
 typedef int (*event_create_fn)(uint64_t *event, unsigned flags);
 typedef int (*event_fn)(uint64_t event);
 typedef int (*event_record_fn)(uint64_t event, void *stream);
-typedef int (*stream_wait_event_fn)(void *stream, uint64_t event, unsigned flags);
 typedef int (*launch_fn)(uint64_t func, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                          unsigned shared, void *stream, void **params, void **extra);
 typedef int (*ctx_get_fn)(uint64_t *ctx);
@@ -271,7 +270,6 @@ enum { UKV_EVENT_BLOCKING_SYNC = 0x1, UKV_EVENT_DISABLE_TIMING = 0x2 };
 static event_create_fn p_event_create;
 static event_fn p_event_destroy, p_event_sync, p_event_query;
 static event_record_fn p_event_record;
-static stream_wait_event_fn p_stream_wait_event;
 static launch_fn p_launch;
 static ctx_get_fn p_ctx_get;
 static ctx_set_fn p_ctx_set;
@@ -296,12 +294,11 @@ int ukv_cuda_load(void) {
     p_event_sync = (event_fn)dlsym(lib, "cuEventSynchronize");
     p_event_query = (event_fn)dlsym(lib, "cuEventQuery");
     p_event_record = (event_record_fn)dlsym(lib, "cuEventRecord");
-    p_stream_wait_event = (stream_wait_event_fn)dlsym(lib, "cuStreamWaitEvent");
     p_launch = (launch_fn)dlsym(lib, "cuLaunchKernel");
     p_ctx_get = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
     p_ctx_set = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
     int events = p_event_create && p_event_destroy && p_event_sync && p_event_query && p_event_record &&
-                 p_stream_wait_event && p_ctx_get && p_ctx_set;
+                 p_ctx_get && p_ctx_set;
     return p_htod && p_dtoh && events ? 0 : -ENOSYS;
 }
 
@@ -363,8 +360,8 @@ int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
 }
 
 /* Events and contexts through the driver, so that one copy call from Python is one C call: make
- * the engine's context current on this thread (a no-op when it is), wait for `wait_event` (the
- * caller's ordering event, 0 for none), enqueue the copies, record `done_event`. */
+ * the engine's context current on this thread (a no-op when it is), enqueue the copies, record
+ * `done_event`. (The caller's ordering is put into the copy streams when a batch is called.) */
 int ukv_cuda_ctx_current(uint64_t *ctx) { return p_ctx_get(ctx); }
 
 static int use_ctx(uint64_t ctx) {
@@ -393,13 +390,12 @@ int ukv_cuda_event_sync(uint64_t ctx, uint64_t event) {
 /* 0: fired; 600 (CUDA_ERROR_NOT_READY): not yet; anything else: an error. */
 int ukv_cuda_event_query(uint64_t event) { return p_event_query(event); }
 
-int ukv_cuda_copy_evented(uint64_t ctx, uint64_t wait_event, uint64_t done_event, unsigned ntensors,
+int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream) {
     void *s = (void *)(uintptr_t)stream;
     int rc = use_ctx(ctx);
-    if (!rc && wait_event) rc = p_stream_wait_event(s, wait_event, 0);
     if (!rc) rc = ukv_cuda_copy(ntensors, bases, block_bytes, slot_offsets, to_slot, nblocks, slot_addrs, gpu_blocks,
                                 stream);
     if (!rc) rc = p_event_record(done_event, s);

@@ -207,17 +207,15 @@ class BlockCopier:
         if rc:
             raise CudaError(int(rc), "cuMemcpyAsync")
 
-    def cuda_evented(self, ctx: int, wait_event: int, done: CudaEvent, to_slot: bool, slot_addrs: Sequence[int],
+    def cuda_evented(self, ctx: int, done: CudaEvent, to_slot: bool, slot_addrs: Sequence[int],
                      gpu_blocks: Sequence[int], stream: int) -> None:
-        """One C call: make ``ctx`` current, wait for ``wait_event`` (0: none), enqueue the copies
-        on ``stream``, record ``done`` after them."""
+        """One C call: make ``ctx`` current, enqueue the copies on ``stream``, record ``done`` after them."""
         rc = _lib.ukv_cuda_copy_evented(
-            ctx, wait_event, done.handle, self._n, self._bases, self._block_bytes, self._slot_offsets, int(to_slot),
+            ctx, done.handle, self._n, self._bases, self._block_bytes, self._slot_offsets, int(to_slot),
             len(slot_addrs), ffi.new("uint64_t[]", slot_addrs), ffi.new("int64_t[]", gpu_blocks), stream,
         )
         if rc:
             raise CudaError(int(rc), "enqueueing block copies")
-
 
     def cuda_staged(self, ctx: int, func: int, table: int, used_bytes: int, done: CudaEvent, to_slot: bool,
                     slot_addrs: Sequence[int], dev_slots: Sequence[int], gpu_blocks: Sequence[int],
