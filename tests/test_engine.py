@@ -408,13 +408,17 @@ async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeyp
     assert engine.closed and not os.path.exists(engine.path)
 
 
+@pytest.mark.parametrize("inline_bytes", ["0", "262144"], ids=["thread-copy", "inline-copy"])
 async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engine: EngineFactory,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      inline_bytes: str) -> None:
     """A copy the copier could not do (a CUDA error in GPU mode) must fail its blocks with EIO, not
     count them as moved; a store that failed that way leaves its disk block unreadable rather than
-    stale. Mutation tried: ignoring the copier's error (the load 'succeeded' with the old bytes)."""
+    stale, whether the CPU-mode copy ran on its thread or inline. Mutation tried: ignoring the
+    copier's error (the load 'succeeded' with the old bytes)."""
     from uring_kv._native import BlockCopier
 
+    monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
         await store_identity(engine, caches, 4)
@@ -448,8 +452,10 @@ async def test_a_copy_event_that_cannot_be_waited_on_fails_its_blocks(make_engin
     test timed out)."""
     from uring_kv._copy import HostEvent
 
+    monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "0")  # every copy through the thread and bridge
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
+        assert engine.copier.description == "host memcpy thread"
         await store_identity(engine, caches, 4)
         real_sync = HostEvent.synchronize
         broken = {"left": 1}
@@ -468,3 +474,38 @@ async def test_a_copy_event_that_cannot_be_waited_on_fails_its_blocks(make_engin
         await engine.load_batch([2], [6])  # the bridge is still there
         assert identify(caches, 6) == (2, 1, True)
         assert engine.stats()["leases_held"] == 0
+
+
+@pytest.mark.parametrize("inline_bytes", ["0", "262144"], ids=["thread-copy", "inline-copy"])
+async def test_small_cpu_copies_run_inline_and_large_ones_on_the_thread(
+        make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, inline_bytes: str) -> None:
+    """CPU mode copies a call of at most URING_KV_HOST_INLINE_BYTES on the loop, the rest on the
+    copier thread (through the bridge); both give the same bytes, and a copy_delay always uses the
+    thread (the race tests depend on it)."""
+    monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
+    caches = id_caches("cpu", blocks=64)
+    async with make_engine(caches, 64, num_slots=4) as engine:
+        per_block = engine.copier._blocks.bytes_per_block
+        await store_identity(engine, caches, 32)
+        engine.bridge.delivery_ns.clear()
+        disk = list(range(32))
+        random.Random(3).shuffle(disk)
+        await engine.load_batch(disk, list(range(32, 64)))
+        for gpu, d in enumerate(disk, start=32):
+            assert identify(caches, gpu) == (d, 1, True)
+        through_bridge = len(engine.bridge.delivery_ns)
+        if inline_bytes == "0":
+            assert through_bridge > 0
+        else:
+            assert per_block * 4 <= int(inline_bytes)  # every call (≤ 4 slots) fits inline
+            assert through_bridge == 0, "small copies went through the thread"
+    async with make_engine(id_caches("cpu", blocks=8), 8, num_slots=2, copy_delay=0.001) as slow:
+        assert slow.copier.description == "host memcpy thread"
+
+
+async def test_a_bad_inline_copy_limit_is_refused(make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "-1")
+    engine = make_engine(id_caches("cpu", blocks=8), 8)
+    with pytest.raises(ValueError, match="URING_KV_HOST_INLINE_BYTES"):
+        await engine.open()
+    assert engine.closed

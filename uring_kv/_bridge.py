@@ -49,6 +49,10 @@ class Bridge:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def call_soon(self, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn(*args)`` on the loop in a later callback (from the loop thread)."""
+        self._svc.call_soon(fn, *args)
+
     def call_soon_threadsafe(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn(*args)`` on the loop, from any thread (the copiers' submit threads use it)."""
         self._svc.call_soon_threadsafe(fn, *args)

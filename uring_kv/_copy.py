@@ -58,16 +58,34 @@ class _Marker:
 _CudaWork = tuple[CudaEvent, Sequence[int], Sequence[int]] | _Marker
 
 
-class HostCopier:
-    """CPU mode: copies run on one worker thread, in submission order, after ``delay`` seconds."""
+# CPU mode: copy calls of at most this many bytes run inline on the loop (a memcpy of 256 KiB takes
+# tens of µs; handing it to the copier thread and back through the bridge costs more than that).
+HOST_INLINE_BYTES = 256 << 10
 
-    def __init__(self, blocks: BlockCopier, bridge: Bridge, delay: float = 0.0) -> None:
+
+class HostCopier:
+    """CPU mode: small copy calls run inline on the loop; the others on one worker thread, in
+    submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
+
+    ``inline_bytes`` (default ``$URING_KV_HOST_INLINE_BYTES`` or 256 KiB; 0 = never): the largest
+    call done inline. A ``delay`` (tests widening race windows) sends every call to the thread."""
+
+    def __init__(self, blocks: BlockCopier, bridge: Bridge, delay: float = 0.0,
+                 inline_bytes: int | None = None) -> None:
         self._blocks = blocks
         self._bridge = bridge
         self.delay = delay
+        if inline_bytes is None:
+            inline_bytes = int(os.environ.get("URING_KV_HOST_INLINE_BYTES", HOST_INLINE_BYTES))
+        if inline_bytes < 0:
+            raise ValueError(f"URING_KV_HOST_INLINE_BYTES must be >= 0, got {inline_bytes}")
+        # How many blocks one inline call may hold (0: none).
+        self._inline_blocks = 0 if delay else inline_bytes // max(1, blocks.bytes_per_block)
         self._queue: queue.SimpleQueue[tuple[bool, list[int], list[int], HostEvent] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="uring-kv-host-copier", daemon=True)
         self._thread.start()
+        self.description = ("host memcpy thread" if not self._inline_blocks else
+                            f"host memcpy (inline up to {inline_bytes >> 10} KiB per call, else a thread)")
 
     def order_after(self, to_slot: bool, event: Any) -> None:
         """CPU mode has nothing to order against."""
@@ -76,6 +94,14 @@ class HostCopier:
              on_done: Callable[[BaseException | None], None]) -> Waitable:
         """Enqueue the copies; ``on_done(error)`` runs on the loop once they are done (error None)."""
         event = HostEvent()
+        if len(slot_addrs) <= self._inline_blocks:
+            try:
+                self._blocks.host(to_slot, slot_addrs, gpu_blocks)
+            except Exception as exc:  # delivered to the engine like a failed thread copy
+                event.error = exc
+            event.set()
+            self._bridge.call_soon(on_done, event.error)  # never re-entrant: the caller is mid-update
+            return event
         self._queue.put((to_slot, list(slot_addrs), list(gpu_blocks), event))
         self._bridge.watch(event, functools.partial(self._fired, event, on_done))
         return event
@@ -101,8 +127,6 @@ class HostCopier:
                 event.error = exc
             finally:
                 event.set()
-
-    description = "host memcpy thread"
 
     def close(self) -> None:
         self._queue.put(None)

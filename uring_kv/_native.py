@@ -190,6 +190,7 @@ class BlockCopier:
         self._bases = ffi.new("uint64_t[]", list(bases))
         self._block_bytes = ffi.new("uint64_t[]", list(block_bytes))
         self._slot_offsets = ffi.new("uint64_t[]", list(slot_offsets))
+        self.bytes_per_block = sum(int(n) for n in block_bytes)
 
     def host(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int]) -> None:
         """Copy with memcpy on the calling thread (the GIL is released meanwhile)."""
