@@ -33,7 +33,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
         assert row["verified"] is True
         assert row["gbps"] > 0
         assert row["blocks_per_s"] > 0 or row["method"] == "pcie ceiling"
-        assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms"} <= row.keys()
+        assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms", "timer_lag_max_ms"} <= row.keys()
     mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
     # (+ "pcie ceiling" on a GPU)
     assert {"serial", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
@@ -42,6 +42,30 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
     assert "verified: all" in capsys.readouterr().out
+
+
+def test_lag_ticker_sees_a_stalled_loop() -> None:
+    """Both of the ticker's measures catch a 20 ms blocking call on the loop, and the thread-ticked
+    one stays small while the loop only sleeps."""
+    import asyncio
+    import time
+
+    from uring_kv._bench import LagTicker
+
+    async def run() -> tuple[LagTicker, LagTicker]:
+        with LagTicker() as idle:
+            await asyncio.sleep(0.05)
+        with LagTicker() as stalled:
+            await asyncio.sleep(0.01)
+            time.sleep(0.02)  # the stall
+            await asyncio.sleep(0.01)
+        return idle, stalled
+
+    idle, stalled = asyncio.run(run())
+    assert len(idle.samples) >= 10 and len(idle.timer_samples) >= 10
+    assert max(stalled.samples) >= 0.015
+    assert max(stalled.timer_samples) >= 0.015
+    assert sorted(idle.samples)[len(idle.samples) // 2] < 0.005  # a loop at rest answers at once
 
 
 def test_bench_detects_wrong_bytes() -> None:

@@ -58,16 +58,16 @@ class _Marker:
 _CudaWork = tuple[CudaEvent, Sequence[int], Sequence[int]] | _Marker
 
 
-# CPU mode: copy calls of at most this many bytes run inline on the loop (a memcpy of 256 KiB takes
+# CPU mode: copy calls of at most this many bytes run inline on the loop (a memcpy of 1 MiB takes
 # tens of µs; handing it to the copier thread and back through the bridge costs more than that).
-HOST_INLINE_BYTES = 256 << 10
+HOST_INLINE_BYTES = 1 << 20
 
 
 class HostCopier:
     """CPU mode: small copy calls run inline on the loop; the others on one worker thread, in
     submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
 
-    ``inline_bytes`` (default ``$URING_KV_HOST_INLINE_BYTES`` or 256 KiB; 0 = never): the largest
+    ``inline_bytes`` (default ``$URING_KV_HOST_INLINE_BYTES`` or 1 MiB; 0 = never): the largest
     call done inline. A ``delay`` (tests widening race windows) sends every call to the thread."""
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, delay: float = 0.0,
