@@ -4,6 +4,7 @@ enqueued form's event, and pinned staging registered with CUDA."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,3 +111,30 @@ async def test_staging_is_registered_pinned_memory(tmp_path: Path) -> None:
         assert staging.is_pinned()
         assert engine.stats()["pinned_bytes"] == 3 * engine.file.stride
         del staging
+
+
+async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVRTC takes long enough to stall the loop: the first open on a device compiles the kernel on
+    the worker thread that creates the file, and the engine then uses it."""
+    import threading
+
+    from uring_kv import _copy
+
+    compiled_on: list[int] = []
+    real_compile = torch.cuda._compile_kernel
+
+    def recording_compile(*args: Any, **kwargs: Any) -> Any:
+        compiled_on.append(threading.get_ident())
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(_copy, "_KERNELS", {})
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", recording_compile)
+    caches = bf16_layers(layers=2, blocks=4)
+    async with Engine(caches, tmp_path / "kv.bin", 4, num_slots=2) as engine:
+        assert engine.stats()["copy"].startswith("staged")
+        await engine.store_batch([0], [1])
+        await engine.load_batch([1], [2])
+        torch.cuda.synchronize()
+        for t in caches.values():
+            assert torch.equal(t[2].view(torch.int16), t[0].view(torch.int16))
+    assert len(compiled_on) == 1 and compiled_on[0] != threading.get_ident()

@@ -113,6 +113,34 @@ async def test_ring_drains_many_cqes_per_wakeup(data_file: int) -> None:
     buf.close()
 
 
+async def test_completions_per_callback_caps_each_callback(data_file: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """URING_KV_COMPLETIONS_PER_CALLBACK=4: no loop callback runs more than 4 completion handlers,
+    and every op still completes exactly once."""
+    monkeypatch.setenv("URING_KV_COMPLETIONS_PER_CALLBACK", "4")
+    ring = UringBackend()
+    os.pwrite(data_file, b"w" * 4096 * 64, 0)
+    buf = HostBuffer(4096 * 64)
+    per_callback: list[int] = []
+    done: list[int] = []
+    real_run = ring._run_completions
+
+    def counting_run() -> None:
+        before = len(done)
+        real_run()
+        per_callback.append(len(done) - before)
+
+    monkeypatch.setattr(ring, "_run_completions", counting_run)
+    ring.submit([Op(False, data_file, buf.addr + i * 4096, 4096, i * 4096, done.append) for i in range(64)])
+    await ring.drain()
+    assert done == [4096] * 64
+    assert max(per_callback) == 4 and sum(per_callback) == 64
+    ring.close()
+    buf.close()
+    monkeypatch.setenv("URING_KV_COMPLETIONS_PER_CALLBACK", "-1")
+    with pytest.raises(ValueError, match="URING_KV_COMPLETIONS_PER_CALLBACK"):
+        UringBackend()
+
+
 async def test_ring_caps_inflight_at_cq_size_and_backlogs_the_rest(data_file: int) -> None:
     ring = UringBackend(entries=8)
     os.pwrite(data_file, b"z" * 512 * 100, 0)

@@ -157,6 +157,26 @@ extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlock
 
 
 _KERNELS: dict[int, Any] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def staged_kernel(device: Any) -> Any:
+    """The scatter/gather kernel for ``device``, compiled with NVRTC on first use (tens to hundreds
+    of ms: once per device and process). ``Engine.open`` calls it on a worker thread, so the loop
+    never waits for the compiler; an error is raised again where the copier is built."""
+    import torch
+
+    index = torch.device(device).index
+    key = torch.cuda.current_device() if index is None else index
+    with _KERNELS_LOCK:
+        if key not in _KERNELS:
+            with torch.cuda.device(key):
+                _KERNELS[key] = torch.cuda._compile_kernel(_SCATTER_SOURCE, "ukv_scatter")
+        return _KERNELS[key]
+
+
+def staged_copies_wanted() -> bool:
+    return os.environ.get("URING_KV_CUDA_STAGED", "1") != "0"
 
 
 class _Staging:
@@ -165,11 +185,7 @@ class _Staging:
 
     def __init__(self, torch: Any, device: Any, blocks: BlockCopier, host_base: int, stride: int, slots: int,
                  used_bytes: int) -> None:
-        index = torch.device(device).index
-        key = torch.cuda.current_device() if index is None else index
-        if key not in _KERNELS:  # NVRTC takes a while: once per device and process
-            _KERNELS[key] = torch.cuda._compile_kernel(_SCATTER_SOURCE, "ukv_scatter")
-        self.kernel = _KERNELS[key]
+        self.kernel = staged_kernel(device)
         self.func = int(self.kernel.func.value)
         self.table_tensor = torch.tensor([v for row in blocks.table for v in row], dtype=torch.int64, device=device)
         self.table = int(self.table_tensor.data_ptr())
@@ -223,7 +239,7 @@ class CudaCopier:
         # kernel cannot be built here (no NVRTC): then one driver copy per tensor and block.
         self._staging: _Staging | None = None
         self.staging_error = ""
-        if staging is not None and os.environ.get("URING_KV_CUDA_STAGED", "1") != "0":
+        if staging is not None and staged_copies_wanted():
             try:
                 with torch.cuda.device(device):
                     self._staging = _Staging(torch, device, blocks, *staging)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uring_kv._bridge import Bridge
-from uring_kv._copy import CudaCopier, HostCopier
+from uring_kv._copy import CudaCopier, HostCopier, staged_copies_wanted, staged_kernel
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, open_backend
 from uring_kv._loop import LoopServices, current_services
@@ -200,8 +200,7 @@ class Engine:
         self._state = "opening"
         try:
             self._svc = current_services()
-            self.file = await self._svc.to_thread(BlockFile, self.path, self.block_bytes, self.num_disk_blocks,
-                                                  self._direct, cleanup=_close_file)
+            self.file = await self._svc.to_thread(self._open_file, cleanup=_close_file)
         except BaseException:
             self._state = "closed"
             raise
@@ -212,6 +211,15 @@ class Engine:
             raise
         self._state = "open"
         return self
+
+    def _open_file(self) -> BlockFile:
+        """On a worker thread: create the file and, in GPU mode, build the staged-copy kernel (the
+        NVRTC compile would otherwise stall the loop the first time an engine opens on a device)."""
+        file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct)
+        if self.gpu and staged_copies_wanted():
+            with contextlib.suppress(Exception):  # no NVRTC here: the copier says why and copies per piece
+                staged_kernel(self.device)
+        return file
 
     def _open_rest(self) -> None:
         # IOSQE_ASYNC: buffered reads would otherwise run inline in io_uring_enter, on the loop

@@ -133,6 +133,9 @@ class UringBackend(IOBackend):
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
                  async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER) -> None:
+        per_callback = int(os.environ.get("URING_KV_COMPLETIONS_PER_CALLBACK", "0"))
+        if per_callback < 0:
+            raise ValueError(f"URING_KV_COMPLETIONS_PER_CALLBACK must be >= 0, got {per_callback}")
         super().__init__(services)
         self._owner = threading.get_ident()
         ring: NativeRing | None = None
@@ -158,6 +161,9 @@ class UringBackend(IOBackend):
         self._backlog: deque[Op] = deque()
         self._capacity = ring.cq_entries  # never more in flight than the CQ can hold
         self._fixed_fd: dict[int, int] = {}
+        self._completed: deque[tuple[int, int]] = deque()  # reaped, handler not yet run
+        self._continuing = False  # a _run_completions callback is scheduled
+        self.completions_per_callback = per_callback or 1 << 30  # 0: every completion reaped
         self.wakeups = 0
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
@@ -208,13 +214,24 @@ class UringBackend(IOBackend):
         self.wakeups += 1
         with contextlib.suppress(BlockingIOError):  # the eventfd is only a hint
             os.eventfd_read(self._efd)
-        while True:
-            done = self._ring.reap()
-            if not done:
-                break
-            for user_data, res in done:
-                self._finished(self._pending.pop(user_data), res)
-            self._flush()
+        self._completed.extend(self._ring.reap())
+        if not self._continuing:
+            self._run_completions()
+
+    def _run_completions(self) -> None:
+        """Run up to ``completions_per_callback`` handlers, then, if more are reaped, let the loop
+        go round before the rest: whatever those handlers scheduled (copies, slot hand-backs, the
+        batch task submitting into freed slots) runs in between, and no callback grows with the
+        size of a completion round."""
+        self._continuing = False
+        completed, pending = self._completed, self._pending
+        for _ in range(min(len(completed), self.completions_per_callback)):
+            user_data, res = completed.popleft()
+            self._finished(pending.pop(user_data), res)
+        self._flush()
+        if completed:
+            self._continuing = True
+            self._svc.call_soon(self._run_completions)
 
     def close(self) -> None:
         if self.inflight:
