@@ -140,6 +140,7 @@ int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream);
 int ukv_cuda_ctx_current(uint64_t *ctx);
+int ukv_cuda_ctx_use(uint64_t ctx);
 int ukv_cuda_event_new(uint64_t ctx, uint64_t *event);
 int ukv_cuda_event_free(uint64_t ctx, uint64_t event);
 int ukv_cuda_event_sync(uint64_t ctx, uint64_t event);

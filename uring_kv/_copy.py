@@ -18,7 +18,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from uring_kv._bridge import Bridge, Waitable
-from uring_kv._native import BlockCopier, CudaEvent, cuda_copy_path, cuda_current_context, load_cuda_driver
+from uring_kv._native import (
+    BlockCopier,
+    CudaEvent,
+    cuda_copy_path,
+    cuda_current_context,
+    cuda_use_context,
+    load_cuda_driver,
+)
 
 
 class HostEvent:
@@ -177,6 +184,26 @@ def staged_kernel(device: Any) -> Any:
 
 def staged_copies_wanted() -> bool:
     return os.environ.get("URING_KV_CUDA_STAGED", "1") != "0"
+
+
+def staged_kernel_preparer(device: Any) -> Callable[[], None] | None:
+    """Called on the loop thread: a function that builds the staged kernel for ``device`` on a
+    worker thread, or None (staged copies off, or no driver). A fresh thread has no current CUDA
+    context, and torch does not make one current when the thread's device index already matches,
+    so the function first makes this thread's context for ``device`` current there."""
+    if not staged_copies_wanted() or not load_cuda_driver():
+        return None
+    import torch
+
+    with torch.cuda.device(device):
+        ctx = cuda_current_context()
+
+    def prepare() -> None:
+        if ctx:
+            cuda_use_context(ctx)
+        staged_kernel(device)
+
+    return prepare
 
 
 class _Staging:

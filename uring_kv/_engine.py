@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uring_kv._bridge import Bridge
-from uring_kv._copy import CudaCopier, HostCopier, staged_copies_wanted, staged_kernel
+from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, open_backend
 from uring_kv._loop import LoopServices, current_services
@@ -200,7 +200,8 @@ class Engine:
         self._state = "opening"
         try:
             self._svc = current_services()
-            self.file = await self._svc.to_thread(self._open_file, cleanup=_close_file)
+            prepare = staged_kernel_preparer(self.device) if self.gpu else None
+            self.file = await self._svc.to_thread(self._open_file, prepare, cleanup=_close_file)
         except BaseException:
             self._state = "closed"
             raise
@@ -212,13 +213,13 @@ class Engine:
         self._state = "open"
         return self
 
-    def _open_file(self) -> BlockFile:
+    def _open_file(self, prepare: Callable[[], None] | None) -> BlockFile:
         """On a worker thread: create the file and, in GPU mode, build the staged-copy kernel (the
         NVRTC compile would otherwise stall the loop the first time an engine opens on a device)."""
         file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct)
-        if self.gpu and staged_copies_wanted():
-            with contextlib.suppress(Exception):  # no NVRTC here: the copier says why and copies per piece
-                staged_kernel(self.device)
+        if prepare is not None:
+            with contextlib.suppress(Exception):  # tried again by the copier, which says what failed
+                prepare()
         return file
 
     def _open_rest(self) -> None:

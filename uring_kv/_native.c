@@ -371,6 +371,9 @@ static int use_ctx(uint64_t ctx) {
     return rc;
 }
 
+/* Make `ctx` current on the calling thread (a worker about to use the driver directly). */
+int ukv_cuda_ctx_use(uint64_t ctx) { return use_ctx(ctx); }
+
 int ukv_cuda_event_new(uint64_t ctx, uint64_t *event) {
     int rc = use_ctx(ctx);
     return rc ? rc : p_event_create(event, UKV_EVENT_BLOCKING_SYNC | UKV_EVENT_DISABLE_TIMING);

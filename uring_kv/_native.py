@@ -244,6 +244,13 @@ def cuda_current_context() -> int:
     return int(ctx[0])
 
 
+def cuda_use_context(ctx: int) -> None:
+    """Make ``ctx`` current on this thread."""
+    rc = _lib.ukv_cuda_ctx_use(ctx)
+    if rc:
+        raise CudaError(int(rc), "cuCtxSetCurrent")
+
+
 class CudaEvent:
     """A driver event (blocking sync, no timing) in context ``ctx``: the bridge waits on it with the
     GIL released (cffi drops it around every C call)."""
