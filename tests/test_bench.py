@@ -34,6 +34,8 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
         assert row["gbps"] > 0
         assert row["blocks_per_s"] > 0 or row["method"] == "pcie ceiling"
         assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms", "timer_lag_max_ms"} <= row.keys()
+        if row["method"] != "pcie ceiling":
+            assert len(row["batch_ms"]) == 2  # --batches 2; the warm-up batch is not counted
     mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
     # (+ "pcie ceiling" on a GPU)
     assert {"serial", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
@@ -42,6 +44,14 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
     assert "verified: all" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", [["--warmup", "-1"], ["--batches", "0"]])
+def test_bench_refuses_bad_counts(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *flag])
+    assert info.value.code == 2
+    assert "must be >=" in capsys.readouterr().err
 
 
 def test_lag_ticker_sees_a_stalled_loop() -> None:

@@ -48,6 +48,7 @@ class BenchConfig:
     layers: int = 32
     batch: int = 256
     batches: int = 4
+    warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
     slots: int = 32
     threads: int = 8
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
@@ -71,6 +72,7 @@ class Row:
     verified: bool
     timer_lag_max_ms: float = 0.0
     timer_lag_p99_ms: float = 0.0
+    batch_ms: list[float] = field(default_factory=list)  # every measured batch, in order
     ratios: dict[str, float] = field(default_factory=dict)
 
 
@@ -163,8 +165,9 @@ class Workload:
         self.caches = [torch.empty(self.gpu_blocks, per_layer // 2, dtype=torch.bfloat16, device=device)
                        for _ in range(config.layers)]
         rng = random.Random(block_bytes)
-        self.load_batches = [rng.sample(range(self.num_disk_blocks), config.batch) for _ in range(config.batches)]
-        self.gpu_order = [rng.sample(range(self.gpu_blocks), config.batch) for _ in range(config.batches)]
+        rounds = config.warmup + config.batches
+        self.load_batches = [rng.sample(range(self.num_disk_blocks), config.batch) for _ in range(rounds)]
+        self.gpu_order = [rng.sample(range(self.gpu_blocks), config.batch) for _ in range(rounds)]
 
     def _pattern(self, disk_blocks: list[int], layer: int) -> torch.Tensor:
         words = self.per_layer // 8
@@ -335,7 +338,9 @@ Method = Callable[[bool, list[int], list[int]], Awaitable[float | None]]
 
 async def _measure(work: Workload, methods: dict[str, Method], op: str, fd: int, stride: int) -> dict[str, _Tally]:
     """Every method runs every batch; the order rotates per batch so no method always goes first
-    (on virtual disks the first reader of a block can pay a host-cache miss the others do not)."""
+    (on virtual disks the first reader of a block can pay a host-cache miss the others do not).
+    The first ``warmup`` rounds are not counted: a first call can pay one-off costs (thread
+    start-up, lazy CUDA loading, a virtual disk waking up) that say nothing about steady state."""
     tallies = {name: _Tally() for name in methods}
     names = list(methods)
     store = op == "store"
@@ -353,7 +358,10 @@ async def _measure(work: Workload, methods: dict[str, Method], op: str, fd: int,
             with LagTicker() as ticker:
                 start = time.perf_counter()
                 own = await methods[name](store, disk_blocks, gpu_blocks)
-                tally.latencies.append(time.perf_counter() - start if own is None else own)
+                elapsed = time.perf_counter() - start if own is None else own
+            if round_index < work.config.warmup:
+                continue
+            tally.latencies.append(elapsed)
             tally.cpu_s += _cpu_seconds() - cpu0
             tally.lag.extend(ticker.samples)
             tally.timer_lag.extend(ticker.timer_samples)
@@ -372,7 +380,8 @@ def _row(work: Workload, op: str, case: str, method: str, tally: _Tally) -> Row:
     return Row(op, case, work.block_bytes, method, moved * work.block_bytes / elapsed / 1e9, moved / elapsed,
                _percentile(tally.latencies, 0.5) * 1e3, _percentile(tally.latencies, 0.99) * 1e3, tally.cpu_s,
                max(tally.lag, default=0.0) * 1e3, _percentile(tally.lag, 0.99) * 1e3, tally.verified,
-               max(tally.timer_lag, default=0.0) * 1e3, _percentile(tally.timer_lag, 0.99) * 1e3)
+               max(tally.timer_lag, default=0.0) * 1e3, _percentile(tally.timer_lag, 0.99) * 1e3,
+               [round(x * 1e3, 3) for x in tally.latencies])
 
 
 class RingCeiling:

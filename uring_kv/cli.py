@@ -9,6 +9,7 @@ import platform
 import resource
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from uring_kv import __version__
@@ -22,6 +23,16 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -29,8 +40,8 @@ def _bench(args: argparse.Namespace) -> int:
     from uring_kv._bench import BenchConfig, plot, render, run_bench, to_json
 
     config = BenchConfig(path=args.path, size=args.size, layers=args.layers, batch=args.batch,
-                         batches=args.batches, slots=args.slots, threads=args.threads, direct=args.direct,
-                         device=args.device, checksum=args.checksum)
+                         batches=args.batches, warmup=args.warmup, slots=args.slots, threads=args.threads,
+                         direct=args.direct, device=args.device, checksum=args.checksum)
     if args.block_size:
         config.block_sizes = args.block_size
     console = Console(stderr=True)
@@ -163,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                        "default 128K and 2M)")
     bench.add_argument("--layers", type=int, default=32)
     bench.add_argument("--batch", type=int, default=256, help="blocks per batch")
-    bench.add_argument("--batches", type=int, default=4, help="batches per method")
+    bench.add_argument("--batches", type=_at_least(1), default=4, help="measured batches per method")
+    bench.add_argument("--warmup", type=_at_least(0), default=1,
+                       help="unmeasured batches per method first (default 1)")
     bench.add_argument("--slots", type=int, default=32)
     bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
     direct = bench.add_mutually_exclusive_group()
