@@ -23,6 +23,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     assert code == 0
     result = json.loads(out.read_text())
     assert result["all_verified"] is True
+    assert result["config"]["gc_freeze"] is True and result["config"]["warmup"] == 1
     rows = result["rows"]
     seen = {(r["op"], r["case"], r["method"]) for r in rows}
     for case, ops in (("cold", ("load", "store")), ("hot", ("load",))):
@@ -52,6 +53,20 @@ def test_bench_refuses_bad_counts(flag: list[str], capsys: pytest.CaptureFixture
         main(["bench", *flag])
     assert info.value.code == 2
     assert "must be >=" in capsys.readouterr().err
+
+
+def test_the_heap_is_frozen_only_while_measuring() -> None:
+    import gc
+
+    from uring_kv._bench import _frozen_heap
+
+    before = gc.get_freeze_count()
+    keep = [[i] for i in range(1000)]  # tracked objects alive when the freeze starts
+    with _frozen_heap(True):
+        assert gc.get_freeze_count() >= before + len(keep)
+    assert gc.get_freeze_count() == 0
+    with _frozen_heap(False):
+        assert gc.get_freeze_count() == 0
 
 
 def test_lag_ticker_sees_a_stalled_loop() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ class BenchConfig:
     batch: int = 256
     batches: int = 4
     warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
+    gc_freeze: bool = True  # collect and freeze the heap before measuring (see _frozen_heap)
     slots: int = 32
     threads: int = 8
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
@@ -139,6 +141,26 @@ class LagTicker:
         self._task.cancel()
         self._stop.set()
         self._thread.join()
+
+
+@contextlib.contextmanager
+def _frozen_heap(enabled: bool) -> Iterator[None]:
+    """Collect, then move every object alive now out of the collector's reach while measuring.
+
+    A full collection walks every tracked object, and a process that imported torch has hundreds
+    of thousands: 30–140 ms during which the loop (whichever thread allocates triggers it) stops.
+    Serving frameworks freeze their heap after start-up for this reason (vLLM calls
+    ``gc.freeze()``); the bench does the same, so that its lag figures show the engine rather than
+    when the collector happened to run. ``--no-gc-freeze`` measures without it."""
+    if not enabled:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def identity_words(disk_blocks: list[int], first_word: int, words: int, device: torch.device | str) -> torch.Tensor:
@@ -456,7 +478,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             for op in ops:
                 progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(methods)} (rotating)")
                 engine.bridge.delivery_ns.clear()
-                tallies = await _measure(work, methods, op, fd, stride)
+                with _frozen_heap(config.gc_freeze):
+                    tallies = await _measure(work, methods, op, fd, stride)
                 rows.extend(_row(work, op, case, name, tally) for name, tally in tallies.items())
                 delivery = [x / 1e3 for x in engine.bridge.delivery_ns]
                 extra[f"bridge_us_{case}_{op}"] = {"p50": round(_percentile(delivery, 0.5), 1),

@@ -41,7 +41,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig(path=args.path, size=args.size, layers=args.layers, batch=args.batch,
                          batches=args.batches, warmup=args.warmup, slots=args.slots, threads=args.threads,
-                         direct=args.direct, device=args.device, checksum=args.checksum)
+                         direct=args.direct, device=args.device, checksum=args.checksum,
+                         gc_freeze=args.gc_freeze)
     if args.block_size:
         config.block_sizes = args.block_size
     console = Console(stderr=True)
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batches", type=_at_least(1), default=4, help="measured batches per method")
     bench.add_argument("--warmup", type=_at_least(0), default=1,
                        help="unmeasured batches per method first (default 1)")
+    bench.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                       help="do not collect and freeze the heap before measuring")
     bench.add_argument("--slots", type=int, default=32)
     bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
     direct = bench.add_mutually_exclusive_group()
