@@ -482,8 +482,9 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                     tallies = await _measure(work, methods, op, fd, stride)
                 rows.extend(_row(work, op, case, name, tally) for name, tally in tallies.items())
                 delivery = [x / 1e3 for x in engine.bridge.delivery_ns]
-                extra[f"bridge_us_{case}_{op}"] = {"p50": round(_percentile(delivery, 0.5), 1),
-                                                   "p99": round(_percentile(delivery, 0.99), 1)}
+                extra[f"bridge_us_{case}_{op}"] = {  # None: no copy went through the bridge (CPU inline)
+                    "p50": round(_percentile(delivery, 0.5), 1), "p99": round(_percentile(delivery, 0.99), 1),
+                } if delivery else None
             serial.close()
             pool.close()
             ceiling.close()
