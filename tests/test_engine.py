@@ -503,9 +503,11 @@ async def test_small_cpu_copies_run_inline_and_large_ones_on_the_thread(
         assert slow.copier.description == "host memcpy thread"
 
 
-async def test_a_bad_inline_copy_limit_is_refused(make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "-1")
+@pytest.mark.parametrize("value", ["-1", "lots"])
+async def test_a_bad_inline_copy_limit_is_refused(make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch,
+                                                  value: str) -> None:
+    monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", value)
     engine = make_engine(id_caches("cpu", blocks=8), 8)
-    with pytest.raises(ValueError, match="URING_KV_HOST_INLINE_BYTES"):
+    with pytest.raises(ValueError, match=f"URING_KV_HOST_INLINE_BYTES must be a byte count >= 0, got '{value}'"):
         await engine.open()
     assert engine.closed

@@ -136,9 +136,10 @@ async def test_completions_per_callback_caps_each_callback(data_file: int, monke
     assert max(per_callback) == 4 and sum(per_callback) == 64
     ring.close()
     buf.close()
-    monkeypatch.setenv("URING_KV_COMPLETIONS_PER_CALLBACK", "-1")
-    with pytest.raises(ValueError, match="URING_KV_COMPLETIONS_PER_CALLBACK"):
-        UringBackend()
+    for bad in ("-1", "all"):
+        monkeypatch.setenv("URING_KV_COMPLETIONS_PER_CALLBACK", bad)
+        with pytest.raises(ValueError, match=f"must be a count >= 0, got '{bad}'"):
+            UringBackend()
 
 
 async def test_ring_caps_inflight_at_cq_size_and_backlogs_the_rest(data_file: int) -> None:

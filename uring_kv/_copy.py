@@ -83,9 +83,11 @@ class HostCopier:
         self._bridge = bridge
         self.delay = delay
         if inline_bytes is None:
-            inline_bytes = int(os.environ.get("URING_KV_HOST_INLINE_BYTES", HOST_INLINE_BYTES))
+            raw = os.environ.get("URING_KV_HOST_INLINE_BYTES", str(HOST_INLINE_BYTES))
+            inline_bytes = int(raw) if raw.strip().isdigit() else -1
         if inline_bytes < 0:
-            raise ValueError(f"URING_KV_HOST_INLINE_BYTES must be >= 0, got {inline_bytes}")
+            raise ValueError("URING_KV_HOST_INLINE_BYTES must be a byte count >= 0, got "
+                             f"{os.environ.get('URING_KV_HOST_INLINE_BYTES')!r}")
         # How many blocks one inline call may hold (0: none).
         self._inline_blocks = 0 if delay else inline_bytes // max(1, blocks.bytes_per_block)
         self._queue: queue.SimpleQueue[tuple[bool, list[int], list[int], HostEvent] | None] = queue.SimpleQueue()

@@ -133,9 +133,10 @@ class UringBackend(IOBackend):
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
                  async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER) -> None:
-        per_callback = int(os.environ.get("URING_KV_COMPLETIONS_PER_CALLBACK", "0"))
-        if per_callback < 0:
-            raise ValueError(f"URING_KV_COMPLETIONS_PER_CALLBACK must be >= 0, got {per_callback}")
+        raw = os.environ.get("URING_KV_COMPLETIONS_PER_CALLBACK", "0")
+        if not raw.strip().isdigit():
+            raise ValueError(f"URING_KV_COMPLETIONS_PER_CALLBACK must be a count >= 0, got {raw!r}")
+        per_callback = int(raw)
         super().__init__(services)
         self._owner = threading.get_ident()
         ring: NativeRing | None = None
