@@ -456,9 +456,10 @@ class Engine:
                 self._metrics[batch.kind].slot_wait_s.observe(time.monotonic() - waited)
                 group = [block]
                 started += 1
-                # Take more free slots now for the following blocks whose hazards are clear.
-                clear = started
-                while clear < len(blocks) and _all_done(blocks[clear].deps):
+                # Take more free slots now for the following blocks whose hazards are clear (looking
+                # no further ahead than there are free slots: a batch of n blocks would rescan O(n²)).
+                clear, stop = started, min(len(blocks), started + self.pool.free)
+                while clear < stop and _all_done(blocks[clear].deps):
                     clear += 1
                 if clear > started:
                     more = self.pool.try_acquire(batch.kind, clear - started)

@@ -105,6 +105,10 @@ class SlotPool:
     def held(self) -> int:
         return len(self.leases) - len(self._free)
 
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
     def _grant(self, lease: Lease, kind: Kind) -> Lease:
         lease.state = LeaseState.RESERVED
         lease.kind = kind
