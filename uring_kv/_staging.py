@@ -44,6 +44,10 @@ class LeaseState(enum.Enum):
     COPYING = "copying"
     WRITING = "writing"
 
+    # Members are singletons compared by identity, so identity hashing is consistent, and it is a
+    # C slot: Enum's own __hash__ is Python code, run twice per block by the transition table.
+    __hash__ = object.__hash__
+
 
 class Kind(enum.IntEnum):
     LOAD = 0
