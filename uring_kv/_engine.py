@@ -491,7 +491,8 @@ class Engine:
     def _start(self, batch: _Batch, group: list[_Block]) -> None:
         if batch.kind is Kind.LOAD:
             ops = []
-            fd, stride, invalid_blocks, on_read = self.file.fd, self.file.stride, self._invalid, self._on_read
+            fd, stride, offset = self.file.fd, self.file.stride, self.file.offset
+            invalid_blocks, on_read = self._invalid, self._on_read
             for block in group:
                 lease = block.lease
                 assert lease is not None
@@ -499,7 +500,7 @@ class Engine:
                 if invalid_blocks and block.disk_block in invalid_blocks:  # its last store failed:
                     self._svc.call_soon(on_read, block, -invalid_blocks[block.disk_block])  # no bytes to trust
                     continue
-                ops.append(Op(False, fd, lease.addr, stride, block.disk_block * stride, _bind(on_read, block),
+                ops.append(Op(False, fd, lease.addr, stride, offset(block.disk_block), _bind(on_read, block),
                               lease.index))
             if ops:
                 self.io.submit(ops)
@@ -611,12 +612,12 @@ class Engine:
 
     def _write(self, group: list[_Block]) -> None:
         ops = []
-        fd, stride, on_written = self.file.fd, self.file.stride, self._on_written
+        fd, stride, offset, on_written = self.file.fd, self.file.stride, self.file.offset, self._on_written
         for block in group:
             lease = block.lease
             assert lease is not None
             lease.advance(LeaseState.COPYING)
-            ops.append(Op(True, fd, lease.addr, stride, block.disk_block * stride, _bind(on_written, block),
+            ops.append(Op(True, fd, lease.addr, stride, offset(block.disk_block), _bind(on_written, block),
                           lease.index))
         self.io.submit(ops)
 
