@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from uring_kv._bridge import Bridge, Waitable
+from uring_kv._env import env_count
 from uring_kv._native import (
     BlockCopier,
     CudaEvent,
@@ -83,11 +84,9 @@ class HostCopier:
         self._bridge = bridge
         self.delay = delay
         if inline_bytes is None:
-            raw = os.environ.get("URING_KV_HOST_INLINE_BYTES", str(HOST_INLINE_BYTES))
-            inline_bytes = int(raw) if raw.strip().isdigit() else -1
-        if inline_bytes < 0:
-            raise ValueError("URING_KV_HOST_INLINE_BYTES must be a byte count >= 0, got "
-                             f"{os.environ.get('URING_KV_HOST_INLINE_BYTES')!r}")
+            inline_bytes = env_count("URING_KV_HOST_INLINE_BYTES", HOST_INLINE_BYTES, "a byte count")
+        elif inline_bytes < 0:
+            raise ValueError(f"inline_bytes must be >= 0, got {inline_bytes}")
         # How many blocks one inline call may hold (0: none).
         self._inline_blocks = 0 if delay else inline_bytes // max(1, blocks.bytes_per_block)
         self._queue: queue.SimpleQueue[tuple[bool, list[int], list[int], HostEvent] | None] = queue.SimpleQueue()

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from uring_kv._env import env_count
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
 from uring_kv._native import NativeRing, Opcode, SetupFlag, SqeFlag, os_error
@@ -133,10 +134,7 @@ class UringBackend(IOBackend):
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
                  async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER) -> None:
-        raw = os.environ.get("URING_KV_COMPLETIONS_PER_CALLBACK", "0")
-        if not raw.strip().isdigit():
-            raise ValueError(f"URING_KV_COMPLETIONS_PER_CALLBACK must be a count >= 0, got {raw!r}")
-        per_callback = int(raw)
+        per_callback = env_count("URING_KV_COMPLETIONS_PER_CALLBACK", 0)
         super().__init__(services)
         self._owner = threading.get_ident()
         ring: NativeRing | None = None
