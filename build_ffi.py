@@ -125,6 +125,36 @@ int ukv_unregister_files(struct ukv_ring *r);
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max);
 
+struct ukv_pump {
+    int id, write, fd, fixed_buffers;
+    unsigned sqe_flags;
+    uint64_t stride;
+    unsigned ntensors;
+    const uint64_t *bases, *block_bytes, *slot_offsets;
+    unsigned nblocks;
+    const uint64_t *offsets;
+    const int64_t *cache;
+    const int32_t *waiting;
+    unsigned max_slots, nslots;
+    uint64_t *slot_addr;
+    int32_t *slot_buf;
+    int32_t *slot_block;
+    unsigned next, inflight, completed;
+    int stop, touched;
+    uint32_t *released;
+    unsigned nreleased;
+    uint32_t *failed;
+    int32_t *fail_errno;
+    unsigned nfailed;
+};
+#define UKV_MAX_PUMPS ...
+int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
+void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);
+int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint64_t *addrs,
+                       const int32_t *bufs);
+int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
+                    unsigned *ntouched);
+
 const char *ukv_liburing_version(void);
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,

@@ -24,8 +24,10 @@ from uring_kv._native import LIBURING_VERSION
 
 # "auto" runs with io_uring_setup failing with EPERM (as under Docker's default seccomp): the
 # engine must fall back to the thread pool, warn once, and pass the whole suite.
-IO_MODES = [pytest.param("uring", id="uring"), pytest.param("threads", id="threads"),
-            pytest.param("auto", id="eperm-fallback")]
+# "uring-python" is io_uring with native pumps off: CPU mode then runs batches the way GPU mode
+# does (a handler per block), which CI has no other way to run.
+IO_MODES = [pytest.param("uring", id="uring"), pytest.param("uring-python", id="uring-python"),
+            pytest.param("threads", id="threads"), pytest.param("auto", id="eperm-fallback")]
 
 
 @pytest.fixture
@@ -57,6 +59,9 @@ def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         # pytest's warning filters for this test are already in place; this one is undone with them
         warnings.filterwarnings("ignore", r"uring_kv: io_uring_setup failed with EPERM.*thread-pool fallback",
                                 RuntimeWarning)
+    if request.param == "uring-python":
+        monkeypatch.setenv("URING_KV_PUMP", "0")
+        return "uring"
     return str(request.param)
 
 

@@ -415,10 +415,12 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
     """A copy the copier could not do (a CUDA error in GPU mode) must fail its blocks with EIO, not
     count them as moved; a store that failed that way leaves its disk block unreadable rather than
     stale, whether the CPU-mode copy ran on its thread or inline. Mutation tried: ignoring the
-    copier's error (the load 'succeeded' with the old bytes)."""
+    copier's error (the load 'succeeded' with the old bytes). Native pumps are off here: their
+    copies are memcpy in C, which has no failure to inject."""
     from uring_kv._native import BlockCopier
 
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
+    monkeypatch.setenv("URING_KV_PUMP", "0")
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
         await store_identity(engine, caches, 4)

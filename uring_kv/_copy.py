@@ -95,6 +95,11 @@ class HostCopier:
         self.description = ("host memcpy thread" if not self._inline_blocks else
                             f"host memcpy (inline up to {inline_bytes >> 10} KiB per call, else a thread)")
 
+    @property
+    def inline_blocks(self) -> int:
+        """How many blocks one copy call may hold and still run inline on the loop (0: none)."""
+        return self._inline_blocks
+
     def order_after(self, to_slot: bool, event: Any) -> None:
         """CPU mode has nothing to order against."""
 

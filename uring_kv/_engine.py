@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uring_kv._bridge import Bridge
-from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer
+from uring_kv._copy import CudaCopier, HostCopier, HostEvent, staged_kernel_preparer
 from uring_kv._file import BlockFile
-from uring_kv._io import IOBackend, Op, open_backend
+from uring_kv._io import IOBackend, Op, UringBackend, open_backend
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
-from uring_kv._native import BlockCopier
+from uring_kv._native import BlockCopier, NativePump, PumpsBusy
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
 from uring_kv.metrics import DirectionMetrics
@@ -59,6 +59,24 @@ class _Batch:
     size: int = 0
     skipped: int = 0  # blocks never started (the batch was cancelled)
     created: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _Pumped:
+    """A CPU-mode batch carried by a native pump: the blocks start, complete and are copied in C,
+    with no Python object, future or handler per block. Hazards are per batch: ``phase_done``
+    stands for every block's read (load) or write (store), and ``deps`` are the hazards of all its
+    blocks, cleared before the first one starts."""
+
+    batch: _Batch
+    disk: list[int]
+    deps: list[Any]
+    phase_done: Any
+    pump: NativePump
+    leases: list[Lease] = field(default_factory=list)  # by the pump's slot position
+    wake: Any = None  # the driver waits on it while the pump holds slots
+    waits: int = 0  # slot waits observed by the driver
+    finished: bool = False
 
 
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
@@ -242,12 +260,18 @@ class Engine:
         self.io.register_file(self.file.fd)
         self.bridge = Bridge(self._svc)
         blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
+        self._blocks = blocks
         self.copier: HostCopier | CudaCopier
         if self.gpu:
             self.copier = CudaCopier(blocks, self.bridge, self.device, self._copy_delay,
                                      staging=(self.pool.slab.addr, self.file.stride, self.num_slots, self.block_bytes))
         else:
             self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
+        # CPU mode on io_uring runs batches in native pumps when a block's copy may run on the loop
+        # (as inline copies do) and nothing per block needs Python (checksums, slowed copies).
+        self._pumped_batches = (isinstance(self.io, UringBackend) and isinstance(self.copier, HostCopier)
+                                and self.copier.inline_blocks >= 1 and not self.checksum
+                                and os.environ.get("URING_KV_PUMP", "1") != "0")
 
     def _release(self) -> None:
         """Free whatever open() set up, last part first. Nothing may be in flight any more."""
@@ -361,8 +385,13 @@ class Engine:
         return await self._run(*self._load_batch(disk_blocks, gpu_blocks, after), wait=False)
 
     def _load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
-                    after: Any) -> tuple[_Batch, list[_Block]]:
+                    after: Any) -> tuple[_Batch, list[_Block] | _Pumped]:
         disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
+        invalid = self._invalid
+        if self._pumped_batches and disk and not (invalid and any(d in invalid for d in disk)):
+            run = self._pumped(Kind.LOAD, disk, gpu)
+            if run is not None:
+                return run.batch, run
         batch = self._new_batch(Kind.LOAD, after, len(disk))
         blocks = []
         for d, g in zip(disk, gpu, strict=True):
@@ -379,8 +408,12 @@ class Engine:
         return await self._run(*self._store_batch(gpu_blocks, disk_blocks, after), wait=False)
 
     def _store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
-                     after: Any) -> tuple[_Batch, list[_Block]]:
+                     after: Any) -> tuple[_Batch, list[_Block] | _Pumped]:
         disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.STORE)
+        if self._pumped_batches and disk:
+            run = self._pumped(Kind.STORE, disk, gpu)
+            if run is not None:
+                return run.batch, run
         batch = self._new_batch(Kind.STORE, after, len(disk))
         blocks = []
         for d, g in zip(disk, gpu, strict=True):
@@ -392,9 +425,145 @@ class Engine:
             blocks.append(block)
         return batch, blocks
 
-    async def _run(self, batch: _Batch, blocks: list[_Block], wait: bool) -> TransferHandle:
+    def _pumped(self, kind: Kind, disk: list[int], gpu: list[int]) -> _Pumped | None:
+        """A batch for a native pump, its hazards registered per batch; None when no pump is free."""
+        assert isinstance(self.io, UringBackend)
+        holder: list[_Pumped] = []
         try:
-            handle = await self._drive(batch, blocks)
+            pump = self.io.pump(kind is Kind.STORE, self.file.fd, self.file.stride, self._blocks,
+                                self.file.offsets(disk), gpu, self.pool.waiting, self.num_slots,
+                                lambda: self._pump_progress(holder[0]))
+        except PumpsBusy:
+            return None
+        phase_done = self._svc.create_future()
+        deps: dict[int, Any] = {}
+        if kind is Kind.LOAD:
+            last_store, reading = self._last_store, self._loads_reading
+            for d in disk:
+                if (store := last_store.get(d)) is not None:
+                    deps[id(store)] = store
+                reading.setdefault(d, []).append(phase_done)
+        else:
+            last_store, reading = self._last_store, self._loads_reading
+            for d in disk:
+                for fut in reading.get(d, ()):
+                    deps[id(fut)] = fut
+                if (store := last_store.get(d)) is not None:
+                    deps[id(store)] = store
+                last_store[d] = phase_done
+        run = _Pumped(self._new_batch(kind, None, len(disk)), disk, list(deps.values()), phase_done, pump)
+        holder.append(run)
+        return run
+
+    async def _drive_pumped(self, run: _Pumped) -> TransferHandle:
+        """Wait for the batch's hazards, then keep its pump supplied with slots: a pump refills its
+        slots itself; it needs the driver only to queue for a slot when it holds none (at the
+        start, or after handing every slot to other waiting batches). Cancelling this stops the
+        pump from starting blocks; those in flight finish."""
+        batch, pump, kind = run.batch, run.pump, run.batch.kind
+        try:
+            for dep in run.deps:
+                if not dep.done():
+                    await self._svc.wait(dep)
+            while pump.started < pump.nblocks:
+                if pump.slots == 0:
+                    waited = time.monotonic()
+                    lease = await self.pool.acquire(kind)
+                    self._metrics[kind].slot_wait_s.observe(time.monotonic() - waited)
+                    run.waits += 1
+                    self._pump_grow(run, [lease])
+                else:
+                    run.wake = self._svc.create_future()
+                    await self._svc.wait(run.wake)
+        finally:
+            pump.stop()
+            self._pump_progress(run)
+        await self._svc.wait(batch.enqueued)
+        return TransferHandle(batch, batch.last_event, self._svc)
+
+    def _pump_grow(self, run: _Pumped, leases: list[Lease]) -> None:
+        for lease in leases:
+            lease.hand_to_pump()
+        run.leases.extend(leases)
+        assert isinstance(self.io, UringBackend)
+        self.io.pump_slots(run.pump, [lease.addr for lease in leases], [lease.index for lease in leases])
+        self._pump_progress(run)
+
+    def _pump_progress(self, run: _Pumped) -> None:
+        """After the pump moved: release the slots it handed back, offer it free slots, finish."""
+        if run.finished:
+            return
+        pump = run.pump
+        released = pump.take_released()
+        if released:
+            assert isinstance(self.io, UringBackend)
+            self.io.pump_returned(len(released))
+            leases, release = run.leases, self.pool.release
+            for position in released:
+                release(leases[position])  # PUMPING → FREE: the pump's last I/O and memcpy in it are done
+        left = pump.nblocks - pump.started
+        if left and pump.slots and self.pool.free and not run.batch.done.done():
+            more = self.pool.try_acquire(run.batch.kind, min(left, self.pool.free))
+            if more:
+                self._pump_grow(run, more)
+                return
+        if pump.finished:
+            self._pump_finish(run)
+        elif pump.slots == 0 and run.wake is not None and not run.wake.done():
+            run.wake.set_result(None)
+
+    def _pump_finish(self, run: _Pumped) -> None:
+        run.finished = True
+        assert isinstance(self.io, UringBackend)
+        self.io.pump_done(run.pump)
+        batch, disk, started = run.batch, run.disk, run.pump.started
+        failures = {disk[position]: code for position, code in run.pump.failures()}
+        batch.failures.update(failures)
+        batch.skipped = len(disk) - started
+        if batch.kind is Kind.STORE:
+            invalid = self._invalid
+            if invalid:
+                for d in disk[:started]:
+                    invalid.pop(d, None)
+            invalid.update(failures)  # a failed write leaves no bytes to trust
+        pending = [dep for dep in run.deps if not dep.done()]
+        if pending:  # cancelled before its hazards cleared: a later batch may rely on this order
+            self._svc.when_all(pending, _bind(self._pump_phase_finished, run))
+        else:
+            self._pump_phase_finished(run)
+        self._metrics[batch.kind].slot_wait_s.observe(0.0, max(0, started - run.waits))
+        if started:
+            event = HostEvent()
+            event.set()
+            batch.last_event = event
+        batch.remaining = batch.to_enqueue = 0
+        batch.enqueued.set_result(batch.last_event)
+        if run.wake is not None and not run.wake.done():
+            run.wake.set_result(None)
+        self._check_batch(batch)
+
+    def _pump_phase_finished(self, run: _Pumped) -> None:
+        fut = run.phase_done
+        fut.set_result(None)
+        if run.batch.kind is Kind.LOAD:
+            reading = self._loads_reading
+            for d in run.disk:
+                readers = reading[d]
+                readers.remove(fut)
+                if not readers:
+                    del reading[d]
+        else:
+            last_store = self._last_store
+            for d in run.disk:
+                if last_store.get(d) is fut:
+                    del last_store[d]
+
+    async def _run(self, batch: _Batch, blocks: list[_Block] | _Pumped, wait: bool) -> TransferHandle:
+        try:
+            if isinstance(blocks, _Pumped):
+                handle = await self._drive_pumped(blocks)
+            else:
+                handle = await self._drive(batch, blocks)
             if wait:
                 await handle
             return handle

@@ -95,6 +95,10 @@ class BlockFile:
     def offset(self, disk_block: int) -> int:
         return disk_block * self.stride
 
+    def offsets(self, disk_blocks: list[int]) -> list[int]:
+        stride = self.stride
+        return [d * stride for d in disk_blocks]
+
     def _remove(self) -> None:
         """Unlink the path if it is still our file, then close the fd (even if the unlink failed:
         its error is raised after the fd is closed)."""

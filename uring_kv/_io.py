@@ -34,7 +34,7 @@ from typing import Any
 from uring_kv._env import env_count
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
-from uring_kv._native import NativeRing, Opcode, SetupFlag, SqeFlag, os_error
+from uring_kv._native import BlockCopier, NativePump, NativeRing, Opcode, SetupFlag, SqeFlag, os_error
 from uring_kv.errors import UringUnavailable
 
 
@@ -156,6 +156,7 @@ class UringBackend(IOBackend):
         self._ring.register_eventfd(self._efd)
         self._svc.add_reader(self._efd, self._on_wakeup)
         self._pending: dict[int, Op] = {}
+        self._pump_handlers: dict[NativePump, Callable[[], None]] = {}
         self._next_user_data = 1
         self._backlog: deque[Op] = deque()
         self._capacity = ring.cq_entries  # never more in flight than the CQ can hold
@@ -164,6 +165,39 @@ class UringBackend(IOBackend):
         self._continuing = False  # a _run_completions callback is scheduled
         self.completions_per_callback = per_callback or 1 << 30  # 0: every completion reaped
         self.wakeups = 0
+        self._pump_slots = 0  # slots held by native pumps: each may have an op in flight
+
+    def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Sequence[int],
+             cache_blocks: Sequence[int], waiting: Any, max_slots: int,
+             on_progress: Callable[[], None]) -> NativePump:
+        """A native pump on this ring (see :class:`NativePump`); ``on_progress()`` runs on the loop
+        after each reap in which the pump moved. Raises :class:`PumpsBusy` when none is free."""
+        sqe_flags = self._sqe_flags
+        if fd in self._fixed_fd:
+            fd, sqe_flags = self._fixed_fd[fd], sqe_flags | _FIXED_FILE
+        pump = NativePump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
+                          cache_blocks, waiting, max_slots)
+        self._pump_handlers[pump] = on_progress
+        return pump
+
+    def pump_slots(self, pump: NativePump, addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
+        """Give ``pump`` more (registered) slots; each counts as in flight until handed back."""
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("io_uring ops must be submitted from the event loop thread that created the ring")
+        self.inflight += len(addrs)
+        self._pump_slots += len(addrs)
+        pump.add_slots(addrs, buf_indices)
+
+    def pump_returned(self, count: int) -> None:
+        """``count`` pump slots were handed back: nothing of theirs is in flight any more."""
+        self.inflight -= count
+        self._pump_slots -= count
+        if self.inflight == 0 and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def pump_done(self, pump: NativePump) -> None:
+        pump.detach()
+        self._pump_handlers.pop(pump, None)
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
         try:
@@ -190,7 +224,7 @@ class UringBackend(IOBackend):
         self._flush()
 
     def _flush(self) -> None:
-        room = self._capacity - len(self._pending)
+        room = self._capacity - len(self._pending) - self._pump_slots
         if room <= 0 or not self._backlog:
             return
         sqes = []
@@ -214,6 +248,11 @@ class UringBackend(IOBackend):
         with contextlib.suppress(BlockingIOError):  # the eventfd is only a hint
             os.eventfd_read(self._efd)
         self._completed.extend(self._ring.reap())
+        for pump in self._ring.touched:
+            try:
+                self._pump_handlers[pump]()
+            except Exception as exc:  # one bad handler must not stop the others
+                self._svc.report("uring_kv pump handler failed", exc)
         if not self._continuing:
             self._run_completions()
 

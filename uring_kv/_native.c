@@ -39,9 +39,14 @@ struct ukv_op {
     uint64_t addr; uint32_t len; uint64_t offset; uint64_t user_data;
 };
 
+struct ukv_pump;
+#define UKV_MAX_PUMPS 256
+#define UKV_PUMP_TAG (1ULL << 63)
+
 struct ukv_ring {
     struct io_uring ring;
     unsigned flags, features, cq_entries;
+    struct ukv_pump *pumps[UKV_MAX_PUMPS]; /* attached pumps, by id (see ukv_pump_attach) */
 };
 
 int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct ukv_ring **out) {
@@ -143,6 +148,173 @@ int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max
     return (int)total;
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * Pumps: a CPU-mode batch run in C. Python hands a pump the batch's blocks (file offset, cache block)
+ * and, as it acquires them, staging slots. Each slot carries one block at a time: for a load, read
+ * into the slot, then (on the CQE) memcpy the slot into every cache tensor; for a store, memcpy the
+ * tensors into the slot, then write it. When a slot's block is done the pump starts the next block
+ * in the same slot, unless the batch is stopped, finished, or another batch waits for a slot
+ * (`waiting`: the pool's waiter counts, loads first); then the slot is handed back to Python, which
+ * releases its lease. So a slot is only ever released after the last user of it (the kernel's
+ * read/write and the memcpy) is done, exactly as in the Python path, with no Python per block. */
+struct ukv_pump {
+    int id, write, fd, fixed_buffers;
+    unsigned sqe_flags;
+    uint64_t stride;
+    unsigned ntensors;
+    const uint64_t *bases, *block_bytes, *slot_offsets;
+    unsigned nblocks;
+    const uint64_t *offsets;   /* file offset of each block */
+    const int64_t *cache;      /* cache block of each block */
+    const int32_t *waiting;    /* [0]: loads waiting for a slot, [1]: stores waiting */
+    unsigned max_slots, nslots;
+    uint64_t *slot_addr;
+    int32_t *slot_buf;         /* registered-buffer index, or -1 */
+    int32_t *slot_block;       /* block in the slot, or -1 */
+    unsigned next, inflight, completed;
+    int stop, touched;
+    uint32_t *released;        /* slot positions handed back since Python last looked */
+    unsigned nreleased;
+    uint32_t *failed;          /* blocks that failed, with their errno */
+    int32_t *fail_errno;
+    unsigned nfailed;
+};
+
+static void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                       const uint64_t *slot_offsets, int to_slot, uint64_t slot_addr, int64_t cache_block) {
+    for (unsigned t = 0; t < ntensors; t++) {
+        char *cache = (char *)(uintptr_t)(bases[t] + (uint64_t)cache_block * block_bytes[t]);
+        char *slot = (char *)(uintptr_t)(slot_addr + slot_offsets[t]);
+        if (to_slot) memcpy(slot, cache, block_bytes[t]);
+        else memcpy(cache, slot, block_bytes[t]);
+    }
+}
+
+int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p) {
+    for (int id = 0; id < UKV_MAX_PUMPS; id++) {
+        if (!r->pumps[id]) {
+            r->pumps[id] = p;
+            p->id = id;
+            return id;
+        }
+    }
+    return -EBUSY;
+}
+
+void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p) {
+    if (p->id >= 0 && p->id < UKV_MAX_PUMPS && r->pumps[p->id] == p) r->pumps[p->id] = NULL;
+    p->id = -1;
+}
+
+/* Start the pump's next block in slot position s (queued, not yet submitted). 0 or -EBUSY. */
+static int pump_start(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
+    if (!sqe) {
+        if (submit_retry(&r->ring) < 0) return -EBUSY;
+        sqe = io_uring_get_sqe(&r->ring);
+        if (!sqe) return -EBUSY;
+    }
+    unsigned b = p->next++;
+    void *slot = (void *)(uintptr_t)p->slot_addr[s];
+    if (p->write) copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 1, p->slot_addr[s], p->cache[b]);
+    int buf = p->fixed_buffers ? p->slot_buf[s] : -1;
+    if (p->write && buf >= 0) io_uring_prep_write_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);
+    else if (p->write) io_uring_prep_write(sqe, p->fd, slot, p->stride, p->offsets[b]);
+    else if (buf >= 0) io_uring_prep_read_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);
+    else io_uring_prep_read(sqe, p->fd, slot, p->stride, p->offsets[b]);
+    sqe->flags |= p->sqe_flags;
+    io_uring_sqe_set_data64(sqe, UKV_PUMP_TAG | ((uint64_t)p->id << 32) | s);
+    p->slot_block[s] = (int32_t)b;
+    p->inflight++;
+    return 0;
+}
+
+static int pump_may_refill(const struct ukv_pump *p) {
+    if (p->stop || p->next >= p->nblocks) return 0;
+    if (p->waiting && (p->waiting[0] || (p->write && p->waiting[1]))) return 0; /* let the waiter have it */
+    return 1;
+}
+
+static void pump_release(struct ukv_pump *p, unsigned s) {
+    p->slot_block[s] = -1;
+    p->released[p->nreleased++] = s;
+}
+
+/* Give the pump n more slots and start a block in each (while blocks are left); submits.
+ * Returns how many blocks were started, or -errno when the submission failed. */
+int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint64_t *addrs,
+                       const int32_t *bufs) {
+    int started = 0;
+    for (unsigned i = 0; i < n && p->nslots < p->max_slots; i++) {
+        unsigned s = p->nslots++;
+        p->slot_addr[s] = addrs[i];
+        p->slot_buf[s] = bufs[i];
+        p->slot_block[s] = -1;
+        if (!p->stop && p->next < p->nblocks && pump_start(r, p, s) == 0) started++;
+        else pump_release(p, s);
+    }
+    int ret = submit_retry(&r->ring);
+    return ret < 0 ? ret : started;
+}
+
+static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int32_t res) {
+    int32_t b = s < p->nslots ? p->slot_block[s] : -1;
+    if (b < 0) return; /* not ours: never happens while Python keeps the pump attached */
+    p->inflight--;
+    p->completed++;
+    if ((uint64_t)(int64_t)res != p->stride) {
+        p->failed[p->nfailed] = (uint32_t)b;
+        p->fail_errno[p->nfailed++] = res < 0 ? -res : EIO;
+    } else if (!p->write) {
+        copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 0, p->slot_addr[s], p->cache[b]);
+    }
+    p->slot_block[s] = -1;
+    if (pump_may_refill(p) && pump_start(r, p, s) == 0) return;
+    pump_release(p, s);
+}
+
+/* ukv_reap, but completions of pump ops are handled here (copy, refill the slot or hand it back)
+ * and only the others are returned. `touched` receives the ids of the pumps that moved (each once);
+ * a refill is submitted before returning. Returns the count of returned completions, or -errno
+ * when submitting the refills failed (they stay queued in the SQ). */
+int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
+                    unsigned *ntouched) {
+    if (r->flags & IORING_SETUP_DEFER_TASKRUN) io_uring_get_events(&r->ring);
+    struct io_uring_cqe *cqes[256];
+    unsigned total = 0, pumped = 0;
+    *ntouched = 0;
+    for (;;) {
+        unsigned want = max - total < 256 ? max - total : 256;
+        if (!want) break;
+        unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, want);
+        if (!got) break;
+        for (unsigned i = 0; i < got; i++) {
+            uint64_t ud = cqes[i]->user_data;
+            if (ud & UKV_PUMP_TAG) {
+                unsigned id = (unsigned)((ud >> 32) & 0x7fffffff);
+                struct ukv_pump *p = id < UKV_MAX_PUMPS ? r->pumps[id] : NULL;
+                if (!p) continue;
+                pump_complete(r, p, (unsigned)(ud & 0xffffffffu), cqes[i]->res);
+                pumped++;
+                if (!p->touched) {
+                    p->touched = 1;
+                    touched[(*ntouched)++] = (int32_t)id;
+                }
+                continue;
+            }
+            user_data[total] = ud;
+            res[total++] = cqes[i]->res;
+        }
+        io_uring_cq_advance(&r->ring, got);
+    }
+    for (unsigned i = 0; i < *ntouched; i++) r->pumps[touched[i]]->touched = 0;
+    if (pumped) {
+        int ret = submit_retry(&r->ring);
+        if (ret < 0) return ret;
+    }
+    return (int)total;
+}
+
 /* The liburing version the module was linked with: from its pkg-config file at build time, else the
  * header's macros (2.4+), else empty. */
 const char *ukv_liburing_version(void) {
@@ -235,14 +407,8 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
 int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks) {
-    for (unsigned b = 0; b < nblocks; b++) {
-        for (unsigned t = 0; t < ntensors; t++) {
-            char *cache = (char *)(uintptr_t)(bases[t] + (uint64_t)gpu_blocks[b] * block_bytes[t]);
-            char *slot = (char *)(uintptr_t)(slot_addrs[b] + slot_offsets[t]);
-            if (to_slot) memcpy(slot, cache, block_bytes[t]);
-            else memcpy(cache, slot, block_bytes[t]);
-        }
-    }
+    for (unsigned b = 0; b < nblocks; b++)
+        copy_block(ntensors, bases, block_bytes, slot_offsets, to_slot, slot_addrs[b], gpu_blocks[b]);
     return 0;
 }
 

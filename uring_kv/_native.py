@@ -87,6 +87,9 @@ class NativeRing:
         self._reap_cap = 1024
         self._reap_ud = ffi.new("uint64_t[]", self._reap_cap)
         self._reap_res = ffi.new("int32_t[]", self._reap_cap)
+        self._touched = ffi.new("int32_t[]", int(_lib.UKV_MAX_PUMPS))
+        self._ntouched = ffi.new("unsigned *")
+        self.pumps: dict[int, NativePump] = {}  # attached pumps by id
 
     def close(self) -> None:
         if self._ring != ffi.NULL:
@@ -117,14 +120,102 @@ class NativeRing:
         _check(_lib.ukv_submit(self._ring, ffi.from_buffer("struct ukv_op[]", packed), len(sqes)), "io_uring_submit")
 
     def reap(self) -> list[tuple[int, int]]:
-        """Every completion the CQ holds now, as (user_data, res)."""
+        """Every completion the CQ holds now, as (user_data, res); completions of pump ops are
+        handled in C (see :class:`NativePump`) and the pumps that moved are in ``touched``."""
         done: list[tuple[int, int]] = []
+        self.touched: list[NativePump] = []
         while True:
-            got = _lib.ukv_reap(self._ring, self._reap_ud, self._reap_res, self._reap_cap)
+            got = _check(_lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
+                                              self._touched, self._ntouched), "io_uring_submit (pump refills)")
+            if self._ntouched[0]:
+                pumps = self.pumps
+                self.touched.extend(pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
             if got:
                 done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
             if got < self._reap_cap:
                 return done
+
+
+class PumpsBusy(RuntimeError):
+    """Every pump id of the ring is in use (the caller runs the batch the Python way)."""
+
+
+class NativePump:
+    """A CPU-mode batch run in C on ``ring``: see ``struct ukv_pump`` in _native.c.
+
+    Blocks ``i`` go between file offset ``offsets[i]`` and cache block ``cache_blocks[i]`` of every
+    tensor of ``blocks``; ``waiting`` (an int32[2] from :func:`counters`) are the slot pool's waiter
+    counts, read by C before it reuses a slot. Call on the ring's thread only; :meth:`detach` once
+    :attr:`finished`."""
+
+    __slots__ = ("_arrays", "_p", "_ring", "nblocks")
+
+    def __init__(self, ring: NativeRing, write: bool, fd: int, sqe_flags: int, fixed_buffers: bool,
+                 stride: int, blocks: BlockCopier, offsets: Sequence[int], cache_blocks: Sequence[int],
+                 waiting: Any, max_slots: int) -> None:
+        p = ffi.new("struct ukv_pump *")
+        n = len(offsets)
+        arrays = [ffi.new("uint64_t[]", offsets), ffi.new("int64_t[]", cache_blocks),
+                  ffi.new("uint64_t[]", max_slots), ffi.new("int32_t[]", max_slots), ffi.new("int32_t[]", max_slots),
+                  ffi.new("uint32_t[]", max_slots), ffi.new("uint32_t[]", max(n, 1)), ffi.new("int32_t[]", max(n, 1)),
+                  blocks, waiting]
+        p.id, p.write, p.fd, p.fixed_buffers, p.sqe_flags, p.stride = -1, int(write), fd, int(fixed_buffers), \
+            sqe_flags, stride
+        p.ntensors, p.bases, p.block_bytes, p.slot_offsets = blocks.c_table()
+        p.nblocks, p.offsets, p.cache, p.waiting = n, arrays[0], arrays[1], waiting
+        p.max_slots, p.slot_addr, p.slot_buf, p.slot_block = max_slots, arrays[2], arrays[3], arrays[4]
+        p.released, p.failed, p.fail_errno = arrays[5], arrays[6], arrays[7]
+        self._p, self._arrays, self._ring, self.nblocks = p, arrays, ring, n
+        pump_id = _lib.ukv_pump_attach(ring._ring, p)
+        if pump_id < 0:
+            raise PumpsBusy(f"all {int(_lib.UKV_MAX_PUMPS)} pumps of the ring are in use")
+        ring.pumps[pump_id] = self
+
+    @property
+    def started(self) -> int:
+        return int(self._p.next)
+
+    @property
+    def slots(self) -> int:
+        """Slots the pump holds now (each has a block in flight)."""
+        return int(self._p.inflight)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing in flight and nothing more will start."""
+        p = self._p
+        return not p.inflight and (p.stop or p.next >= p.nblocks)
+
+    def stop(self) -> None:
+        """Start no further block (those in flight finish)."""
+        self._p.stop = 1
+
+    def add_slots(self, addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
+        """Hand the pump more slots (it starts a block in each, or hands it straight back)."""
+        _check(_lib.ukv_pump_add_slots(self._ring._ring, self._p, len(addrs), ffi.new("uint64_t[]", addrs),
+                                       ffi.new("int32_t[]", buf_indices)), "io_uring_submit (pump)")
+
+    def take_released(self) -> list[int]:
+        """Positions (in :meth:`add_slots` order) of the slots handed back since the last call."""
+        p = self._p
+        got = ffi.unpack(p.released, p.nreleased) if p.nreleased else []
+        p.nreleased = 0
+        return got
+
+    def failures(self) -> list[tuple[int, int]]:
+        """(block position, errno) of every block that failed."""
+        p = self._p
+        return list(zip(ffi.unpack(p.failed, p.nfailed), ffi.unpack(p.fail_errno, p.nfailed), strict=True))
+
+    def detach(self) -> None:
+        if self._p.id >= 0:
+            self._ring.pumps.pop(int(self._p.id), None)
+            _lib.ukv_pump_detach(self._ring._ring, self._p)
+
+
+def counters(n: int) -> Any:
+    """``n`` int32 counters that C code can read (indexable like a list)."""
+    return ffi.new("int32_t[]", n)
 
 
 # struct ukv_op as Python packs it: opcode, sqe_flags, buf_index, fd, addr, len, offset, user_data
@@ -191,6 +282,10 @@ class BlockCopier:
         self._block_bytes = ffi.new("uint64_t[]", list(block_bytes))
         self._slot_offsets = ffi.new("uint64_t[]", list(slot_offsets))
         self.bytes_per_block = sum(int(n) for n in block_bytes)
+
+    def c_table(self) -> tuple[int, Any, Any, Any]:
+        """(tensor count, bases, bytes per block, slot offsets) as C arrays, for a pump."""
+        return self._n, self._bases, self._block_bytes, self._slot_offsets
 
     def host(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int]) -> None:
         """Copy with memcpy on the calling thread (the GIL is released meanwhile)."""

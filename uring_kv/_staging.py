@@ -15,6 +15,11 @@ says it is finished:
 
     load:   FREE -> RESERVED -> READING --(read CQE)--> COPYING --(copy event)--> FREE
     store:  FREE -> RESERVED -> COPYING --(copy event)--> WRITING --(write CQE)--> FREE
+    pumped: FREE -> RESERVED -> PUMPING --(the pump hands the slot back)--> FREE
+
+A PUMPING slot belongs to a native pump (CPU mode, see ``_native.c``), which carries one block after
+another through it, each read-then-memcpy or memcpy-then-write, and hands it back only after the
+CQE of the last one (and its memcpy): the same rule, applied in C.
 
 The read/write CQE handler and the bridge's copy-event handler are the only callers of
 :meth:`SlotPool.release` for a lease that has been handed to the kernel or the copy engine. The single
@@ -35,6 +40,7 @@ from typing import Any
 
 from uring_kv._loop import LoopServices
 from uring_kv._memory import HostBuffer
+from uring_kv._native import counters
 
 
 class LeaseState(enum.Enum):
@@ -43,6 +49,7 @@ class LeaseState(enum.Enum):
     READING = "reading"
     COPYING = "copying"
     WRITING = "writing"
+    PUMPING = "pumping"
 
     # Members are singletons compared by identity, so identity hashing is consistent, and it is a
     # C slot: Enum's own __hash__ is Python code, run twice per block by the transition table.
@@ -61,8 +68,8 @@ _NEXT = {
     (Kind.STORE, LeaseState.COPYING): LeaseState.WRITING,
 }
 _RELEASABLE = {
-    Kind.LOAD: (LeaseState.READING, LeaseState.COPYING),
-    Kind.STORE: (LeaseState.COPYING, LeaseState.WRITING),
+    Kind.LOAD: (LeaseState.READING, LeaseState.COPYING, LeaseState.PUMPING),
+    Kind.STORE: (LeaseState.COPYING, LeaseState.WRITING, LeaseState.PUMPING),
 }
 
 
@@ -88,6 +95,12 @@ class Lease:
             raise LeaseError(f"slot {self.index}: expected {expected.value}, found {self.state.value}")
         self.state = _NEXT[(self.kind, expected)]
 
+    def hand_to_pump(self) -> None:
+        """RESERVED → PUMPING: a native pump now owns the slot until it hands it back."""
+        if self.state is not LeaseState.RESERVED:
+            raise LeaseError(f"slot {self.index}: expected reserved, found {self.state.value}")
+        self.state = LeaseState.PUMPING
+
     def __repr__(self) -> str:
         return f"<Lease slot={self.index} {self.kind.name.lower()} {self.state.value}>"
 
@@ -102,7 +115,9 @@ class SlotPool:
         self.leases = [Lease(i, self.slab.addr + i * stride) for i in range(num_slots)]
         self._free: deque[Lease] = deque(self.leases)
         self._waiters: tuple[deque[Any], deque[Any]] = (deque(), deque())  # futures of Lease
-        self._waiting = [0, 0]  # per kind: waiters not yet granted nor cancelled
+        # Per kind: waiters not yet granted nor cancelled. C memory: native pumps read it before
+        # they reuse a slot, and hand the slot back instead while somebody waits.
+        self._waiting = counters(2)
         self.reissues = 0  # leases handed out, for tests and metrics
 
     @property
@@ -112,6 +127,11 @@ class SlotPool:
     @property
     def free(self) -> int:
         return len(self._free)
+
+    @property
+    def waiting(self) -> Any:
+        """The waiter counts ([loads, stores]) as C memory, for native pumps."""
+        return self._waiting
 
     def _grant(self, lease: Lease, kind: Kind) -> Lease:
         lease.state = LeaseState.RESERVED
