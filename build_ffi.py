@@ -135,7 +135,7 @@ struct ukv_pump {
     const uint64_t *offsets;
     const int64_t *cache;
     const int32_t *waiting;
-    unsigned max_slots, nslots;
+    unsigned max_slots;
     uint64_t *slot_addr;
     int32_t *slot_buf;
     int32_t *slot_block;
@@ -150,8 +150,8 @@ struct ukv_pump {
 #define UKV_MAX_PUMPS ...
 int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);
-int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint64_t *addrs,
-                       const int32_t *bufs);
+int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
+                       const uint64_t *addrs, const int32_t *bufs);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched);
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import sniffio
 import torch
+from faultfs import FaultState, mounted
 
 import uring_kv
 from uring_kv import Engine
@@ -156,3 +157,21 @@ def random_caches(device: str, layers: int = 4, blocks: int = 32, shape: tuple[i
                   dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {f"layer{i}": torch.randn(blocks, *shape, generator=gen).to(dtype).to(device) for i in range(layers)}
+
+
+@pytest.fixture
+def fault_fs(tmp_path: Path) -> Iterator[tuple[Path, FaultState]]:
+    """A FUSE filesystem at tmp_path/fuse whose reads and writes can fail or be slowed (faultfs)."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.skip("needs root and /dev/fuse")
+    try:
+        import mfusepy  # noqa: F401  (raises OSError when libfuse3 is missing)
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"libfuse unavailable: {exc}")
+    mountpoint = tmp_path / "fuse"
+    mountpoint.mkdir()
+    try:
+        with mounted(mountpoint) as state:
+            yield mountpoint, state
+    except RuntimeError as exc:
+        pytest.skip(str(exc))

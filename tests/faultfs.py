@@ -26,6 +26,9 @@ class FaultState:
         self._mutex = threading.Lock()
         self.bad_reads: list[tuple[int, int]] = []
         self.bad_writes: list[tuple[int, int]] = []
+        self.slow_reads: list[tuple[int, int]] = []
+        self.slow_writes: list[tuple[int, int]] = []
+        self.delay = 0.0  # seconds a slow read or write takes
 
     def fail_reads(self, start: int, length: int) -> None:
         with self._mutex:
@@ -35,10 +38,27 @@ class FaultState:
         with self._mutex:
             self.bad_writes.append((start, start + length))
 
+    def slow_down(self, start: int, length: int, delay: float, reads: bool = True, writes: bool = True) -> None:
+        """Reads and/or writes touching the range take ``delay`` seconds. Requests are served on
+        several threads, and a slow one sleeps before it touches the bytes: a read slowed this way
+        returns the bytes as they are at its end."""
+        with self._mutex:
+            self.delay = delay
+            if reads:
+                self.slow_reads.append((start, start + length))
+            if writes:
+                self.slow_writes.append((start, start + length))
+
     def clear(self) -> None:
         with self._mutex:
             self.bad_reads.clear()
             self.bad_writes.clear()
+            self.slow_reads.clear()
+            self.slow_writes.clear()
+
+    def pause(self, ranges: list[tuple[int, int]], offset: int, size: int) -> None:
+        if self.hits(ranges, offset, size):
+            time.sleep(self.delay)
 
     def hits(self, ranges: list[tuple[int, int]], offset: int, size: int) -> bool:
         with self._mutex:
@@ -80,12 +100,14 @@ def _operations(state: FaultState) -> Any:
             return 0
 
         def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
+            state.pause(state.slow_reads, offset, size)
             if state.hits(state.bad_reads, offset, size):
                 raise mfusepy.FuseOSError(errno.EIO)
             with self._mutex:
                 return bytes(self.files[path][offset:offset + size])
 
         def write(self, path: str, data: bytes, offset: int, fh: Any) -> int:
+            state.pause(state.slow_writes, offset, len(data))
             if state.hits(state.bad_writes, offset, len(data)):
                 raise mfusepy.FuseOSError(errno.EIO)
             with self._mutex:
@@ -127,7 +149,7 @@ def mounted(mountpoint: Path) -> Iterator[FaultState]:
 
     def serve() -> None:
         try:
-            mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=True, direct_io=True, hard_remove=True)
+            mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, direct_io=True, hard_remove=True)
         except BaseException as exc:  # surfaced below as a skip reason
             failure.append(exc)
 

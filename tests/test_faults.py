@@ -12,29 +12,12 @@ from pathlib import Path
 
 import pytest
 from conftest import EngineFactory
+from faultfs import FaultState
 
 from uring_kv import BlockIOError
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
-
-
-@pytest.fixture
-def fault_fs(tmp_path: Path) -> Iterator[tuple[Path, object]]:
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.skip("needs root and /dev/fuse")
-    try:
-        import mfusepy  # noqa: F401  (raises OSError when libfuse3 is missing)
-    except (ImportError, OSError) as exc:
-        pytest.skip(f"libfuse unavailable: {exc}")
-    import faultfs
-    mountpoint = tmp_path / "fuse"
-    mountpoint.mkdir()
-    try:
-        with faultfs.mounted(mountpoint) as state:
-            yield mountpoint, state
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture
@@ -49,24 +32,24 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
-async def test_eio_on_read_names_the_block(fault_fs: tuple[Path, object], make_engine: EngineFactory) -> None:
+async def test_eio_on_read_names_the_block(fault_fs: tuple[Path, FaultState], make_engine: EngineFactory) -> None:
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=8)
     engine = make_engine(caches, 8, num_slots=2, path=mountpoint / "kv.bin")
     async with engine:
         await store_identity(engine, caches, 8)
-        state.fail_reads(engine.file.offset(5), engine.file.stride)  # type: ignore[attr-defined]
+        state.fail_reads(engine.file.offset(5), engine.file.stride)
         with pytest.raises(BlockIOError, match=r"disk block\(s\) 5 \(EIO") as info:
             await engine.load_batch([3, 5, 6], [0, 1, 2])
         assert info.value.failures == {5: errno.EIO}
         assert identify(caches, 0) == (3, 1, True) and identify(caches, 2) == (6, 1, True)
         assert engine.stats()["leases_held"] == 0
-        state.clear()  # type: ignore[attr-defined]
+        state.clear()
         await engine.load_batch([5], [1])
         assert identify(caches, 1) == (5, 1, True)
 
 
-async def test_eio_on_write_names_the_block_and_poisons_only_it(fault_fs: tuple[Path, object],
+async def test_eio_on_write_names_the_block_and_poisons_only_it(fault_fs: tuple[Path, FaultState],
                                                                 make_engine: EngineFactory) -> None:
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=8)
@@ -74,7 +57,7 @@ async def test_eio_on_write_names_the_block_and_poisons_only_it(fault_fs: tuple[
     async with engine:
         for gpu_block in range(4):
             fill(caches, gpu_block, gpu_block, 1)
-        state.fail_writes(engine.file.offset(2), engine.file.stride)  # type: ignore[attr-defined]
+        state.fail_writes(engine.file.offset(2), engine.file.stride)
         with pytest.raises(BlockIOError) as info:
             await engine.store_batch([0, 1, 2, 3], [0, 1, 2, 3])
         assert info.value.failures == {2: errno.EIO}
@@ -82,7 +65,7 @@ async def test_eio_on_write_names_the_block_and_poisons_only_it(fault_fs: tuple[
         assert [identify(caches, g) for g in (4, 5, 6)] == [(0, 1, True), (1, 1, True), (3, 1, True)]
         with pytest.raises(BlockIOError, match="EIO"):  # never silently hand out the half-written block
             await engine.load_batch([2], [7])
-        state.clear()  # type: ignore[attr-defined]
+        state.clear()
         await engine.store_batch([2], [2])
         await engine.load_batch([2], [7])
         assert identify(caches, 7) == (2, 1, True)

@@ -73,7 +73,6 @@ class _Pumped:
     deps: list[Any]
     phase_done: Any
     pump: NativePump
-    leases: list[Lease] = field(default_factory=list)  # by the pump's slot position
     wake: Any = None  # the driver waits on it while the pump holds slots
     waits: int = 0  # slot waits observed by the driver
     finished: bool = False
@@ -210,6 +209,7 @@ class Engine:
         self._flush_scheduled = False
         self._ready_batches: list[_Batch] = []
         self._metrics = {Kind.LOAD: DirectionMetrics(), Kind.STORE: DirectionMetrics()}
+        self._pumped_count = 0
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> Engine:
@@ -348,11 +348,13 @@ class Engine:
         return snapshot
 
     def stats(self) -> dict[str, Any]:
-        """The gauges of :meth:`metrics`, the number of active batches and what the engine chose
-        here: I/O path, copy path, O_DIRECT, fixed buffers, pinned bytes, event loop."""
+        """The gauges of :meth:`metrics`, the number of active batches, how many batches ran in
+        native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, fixed buffers,
+        pinned bytes, event loop."""
         return {
             **self._gauges(),
             "active_batches": len(self._active),
+            "pumped_batches": self._pumped_count,
             "io": self.io.description,
             "copy": self.copier.description,
             "direct": self.file.direct,
@@ -452,6 +454,7 @@ class Engine:
                     deps[id(store)] = store
                 last_store[d] = phase_done
         run = _Pumped(self._new_batch(kind, None, len(disk)), disk, list(deps.values()), phase_done, pump)
+        self._pumped_count += 1
         holder.append(run)
         return run
 
@@ -484,9 +487,8 @@ class Engine:
     def _pump_grow(self, run: _Pumped, leases: list[Lease]) -> None:
         for lease in leases:
             lease.hand_to_pump()
-        run.leases.extend(leases)
         assert isinstance(self.io, UringBackend)
-        self.io.pump_slots(run.pump, [lease.addr for lease in leases], [lease.index for lease in leases])
+        self.io.pump_slots(run.pump, [lease.index for lease in leases], [lease.addr for lease in leases])
         self._pump_progress(run)
 
     def _pump_progress(self, run: _Pumped) -> None:
@@ -498,9 +500,9 @@ class Engine:
         if released:
             assert isinstance(self.io, UringBackend)
             self.io.pump_returned(len(released))
-            leases, release = run.leases, self.pool.release
-            for position in released:
-                release(leases[position])  # PUMPING → FREE: the pump's last I/O and memcpy in it are done
+            leases, release = self.pool.leases, self.pool.release
+            for index in released:
+                release(leases[index])  # PUMPING → FREE: the pump's last I/O and memcpy in it are done
         left = pump.nblocks - pump.started
         if left and pump.slots and self.pool.free and not run.batch.done.done():
             more = self.pool.try_acquire(run.batch.kind, min(left, self.pool.free))

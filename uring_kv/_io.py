@@ -180,13 +180,14 @@ class UringBackend(IOBackend):
         self._pump_handlers[pump] = on_progress
         return pump
 
-    def pump_slots(self, pump: NativePump, addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
-        """Give ``pump`` more (registered) slots; each counts as in flight until handed back."""
+    def pump_slots(self, pump: NativePump, slots: Sequence[int], addrs: Sequence[int]) -> None:
+        """Give ``pump`` more slots (pool index = registered-buffer index, address); each counts
+        as in flight until handed back."""
         if threading.get_ident() != self._owner:
             raise RuntimeError("io_uring ops must be submitted from the event loop thread that created the ring")
-        self.inflight += len(addrs)
-        self._pump_slots += len(addrs)
-        pump.add_slots(addrs, buf_indices)
+        self.inflight += len(slots)
+        self._pump_slots += len(slots)
+        pump.add_slots(slots, addrs, slots)
 
     def pump_returned(self, count: int) -> None:
         """``count`` pump slots were handed back: nothing of theirs is in flight any more."""

@@ -167,13 +167,13 @@ struct ukv_pump {
     const uint64_t *offsets;   /* file offset of each block */
     const int64_t *cache;      /* cache block of each block */
     const int32_t *waiting;    /* [0]: loads waiting for a slot, [1]: stores waiting */
-    unsigned max_slots, nslots;
+    unsigned max_slots;        /* slots are named by their index in the pool, below this */
     uint64_t *slot_addr;
     int32_t *slot_buf;         /* registered-buffer index, or -1 */
-    int32_t *slot_block;       /* block in the slot, or -1 */
+    int32_t *slot_block;       /* block in the slot, or -1 (also: not held) */
     unsigned next, inflight, completed;
     int stop, touched;
-    uint32_t *released;        /* slot positions handed back since Python last looked */
+    uint32_t *released;        /* slots handed back since Python last looked */
     unsigned nreleased;
     uint32_t *failed;          /* blocks that failed, with their errno */
     int32_t *fail_errno;
@@ -240,13 +240,15 @@ static void pump_release(struct ukv_pump *p, unsigned s) {
     p->released[p->nreleased++] = s;
 }
 
-/* Give the pump n more slots and start a block in each (while blocks are left); submits.
- * Returns how many blocks were started, or -errno when the submission failed. */
-int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint64_t *addrs,
-                       const int32_t *bufs) {
+/* Give the pump n more slots (slots[i]: the pool's index of the slot, below max_slots) and start a
+ * block in each (while blocks are left); submits. Returns how many blocks were started, -EINVAL
+ * for a slot it holds already, or -errno when the submission failed. */
+int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
+                       const uint64_t *addrs, const int32_t *bufs) {
     int started = 0;
-    for (unsigned i = 0; i < n && p->nslots < p->max_slots; i++) {
-        unsigned s = p->nslots++;
+    for (unsigned i = 0; i < n; i++) {
+        unsigned s = slots[i];
+        if (s >= p->max_slots || p->slot_block[s] >= 0) return -EINVAL; /* not a slot it may be given */
         p->slot_addr[s] = addrs[i];
         p->slot_buf[s] = bufs[i];
         p->slot_block[s] = -1;
@@ -258,7 +260,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
 }
 
 static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int32_t res) {
-    int32_t b = s < p->nslots ? p->slot_block[s] : -1;
+    int32_t b = s < p->max_slots ? p->slot_block[s] : -1;
     if (b < 0) return; /* not ours: never happens while Python keeps the pump attached */
     p->inflight--;
     p->completed++;

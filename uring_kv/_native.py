@@ -164,6 +164,8 @@ class NativePump:
         p.ntensors, p.bases, p.block_bytes, p.slot_offsets = blocks.c_table()
         p.nblocks, p.offsets, p.cache, p.waiting = n, arrays[0], arrays[1], waiting
         p.max_slots, p.slot_addr, p.slot_buf, p.slot_block = max_slots, arrays[2], arrays[3], arrays[4]
+        for s in range(max_slots):
+            p.slot_block[s] = -1
         p.released, p.failed, p.fail_errno = arrays[5], arrays[6], arrays[7]
         self._p, self._arrays, self._ring, self.nblocks = p, arrays, ring, n
         pump_id = _lib.ukv_pump_attach(ring._ring, p)
@@ -190,13 +192,15 @@ class NativePump:
         """Start no further block (those in flight finish)."""
         self._p.stop = 1
 
-    def add_slots(self, addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
-        """Hand the pump more slots (it starts a block in each, or hands it straight back)."""
-        _check(_lib.ukv_pump_add_slots(self._ring._ring, self._p, len(addrs), ffi.new("uint64_t[]", addrs),
-                                       ffi.new("int32_t[]", buf_indices)), "io_uring_submit (pump)")
+    def add_slots(self, slots: Sequence[int], addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
+        """Hand the pump more slots, named by their pool index (below ``max_slots``); it starts a
+        block in each, or hands it straight back."""
+        _check(_lib.ukv_pump_add_slots(self._ring._ring, self._p, len(slots), ffi.new("uint32_t[]", slots),
+                                       ffi.new("uint64_t[]", addrs), ffi.new("int32_t[]", buf_indices)),
+               "io_uring_submit (pump)")
 
     def take_released(self) -> list[int]:
-        """Positions (in :meth:`add_slots` order) of the slots handed back since the last call."""
+        """Pool indices of the slots handed back since the last call."""
         p = self._p
         got = ffi.unpack(p.released, p.nreleased) if p.nreleased else []
         p.nreleased = 0

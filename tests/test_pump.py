@@ -1,0 +1,153 @@
+"""Native pumps (CPU mode on io_uring): a batch's blocks are read, copied and refilled in C.
+
+What C takes over from the per-block handlers must keep their rules: hazards between batches on
+the same disk block, a cancelled call starting nothing new and returning only after what it started,
+slots handed to a waiting batch, and a plain fallback when no pump is free. Slow I/O comes from the
+FUSE filesystem of ``faultfs`` (real requests through io_uring, answered late), which widens the
+windows these rules close.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import anyio
+import pytest
+from aio import gather, run_then_cancel, settle, task_group
+from conftest import BOTH_BACKENDS, EngineFactory
+from faultfs import FaultState
+
+from uring_kv._staging import LeaseState
+from uring_kv.testing import fill, id_caches, identify, store_identity
+
+
+@pytest.fixture(params=BOTH_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def io_mode() -> str:
+    return "uring"  # pumps run on io_uring only
+
+
+async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: EngineFactory) -> None:
+    caches = id_caches("cpu", blocks=64)
+    async with make_engine(caches, 64, num_slots=4) as engine:
+        await store_identity(engine, caches, 64)
+        for tensor in caches.values():
+            tensor.fill_(-1)
+        order = random.Random(5).sample(range(64), 64)
+        await engine.load_batch(order, list(range(64)))
+        assert [identify(caches, g) for g in range(64)] == [(d, 1, True) for d in order]
+        stats, metrics = engine.stats(), engine.metrics()
+        assert stats["pumped_batches"] == 2
+        assert metrics["load"]["blocks"] == metrics["store"]["blocks"] == 64
+        assert engine.io._ring.pumps == {}, "a finished pump is still attached to the ring"  # type: ignore[attr-defined]
+        assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
+
+
+async def test_a_load_waits_for_a_pumped_store_of_the_same_block(make_engine: EngineFactory) -> None:
+    """A store of 64 blocks through 4 slots, then a load of its last block before it is written.
+    Mutation tried: not waiting for the batch's hazards (the load took a slot handed over by the
+    store's pump and read version 1)."""
+    caches = id_caches("cpu", blocks=128)
+    async with make_engine(caches, 64, num_slots=4) as engine:
+        await store_identity(engine, caches, 64)
+        for block in range(64):
+            fill(caches, block, block, 2)
+        async with task_group() as tasks:
+            store = tasks.spawn(engine.store_batch, list(range(64)), list(range(64)))
+            await settle()  # called (and its hazards registered) first
+            await engine.load_batch([63], [100])
+            assert identify(caches, 100) == (63, 2, True)
+            await store.join()
+
+
+async def test_a_store_waits_for_a_pumped_load_of_the_same_block(fault_fs: tuple[Path, FaultState],
+                                                                 make_engine: EngineFactory) -> None:
+    """The load's read of block 7 is slow; a store to block 7 called meanwhile must not write
+    before that read is done. Mutation tried: stores not waiting for the load batch (the load then
+    delivers version 2)."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=16)
+    async with make_engine(caches, 8, num_slots=4, path=mountpoint / "kv.bin") as engine:
+        await store_identity(engine, caches, 8)
+        state.slow_down(engine.file.offset(7), engine.file.stride, 0.2, writes=False)
+        fill(caches, 0, 7, 2)
+        async with task_group() as tasks:
+            load = tasks.spawn(engine.load_batch, list(range(8)), list(range(8, 16)))
+            await anyio.sleep(0.05)  # the slow read is in flight, the other slots are free again
+            await engine.store_batch([0], [7])
+            await load.join()
+        assert identify(caches, 15) == (7, 1, True)
+        await engine.load_batch([7], [1])
+        assert identify(caches, 1) == (7, 2, True)
+
+
+async def test_a_cancelled_pumped_load_stops_starting_blocks(fault_fs: tuple[Path, FaultState],
+                                                            make_engine: EngineFactory) -> None:
+    """Cancelled part way, the call returns once its started blocks are in place: each cache block
+    then holds either its bytes or is untouched, the count of untouched ones is the metrics'
+    cancelled blocks, and every slot is free. Mutation tried: not stopping the pump (all 12 blocks
+    were loaded, none counted as cancelled)."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=32)
+    async with make_engine(caches, 12, num_slots=2, path=mountpoint / "kv.bin") as engine:
+        await store_identity(engine, caches, 12)
+        for tensor in caches.values():
+            tensor.fill_(-1)
+        state.slow_down(0, 12 * engine.file.stride, 0.02, writes=False)
+        async with task_group() as tasks:
+            load = await run_then_cancel(tasks, 0.05, engine.load_batch, list(range(12)), list(range(16, 28)))
+        assert load.cancelled
+        assert engine.io.inflight == 0 and engine.pool.held == 0
+        found = [identify(caches, 16 + i) for i in range(12)]
+        loaded = [i for i, (disk, version, ok) in enumerate(found) if (disk, version, ok) == (i, 1, True)]
+        untouched = [i for i in range(12) if all(bool((t[16 + i] == -1).all()) for t in caches.values())]
+        assert sorted(loaded + untouched) == list(range(12)), f"a block is neither loaded nor untouched: {found}"
+        assert 0 < len(untouched) < 12
+        assert engine.metrics()["load"]["cancelled_blocks"] == len(untouched)
+        state.clear()
+        await engine.load_batch([11], [0])  # still usable
+        assert identify(caches, 0) == (11, 1, True)
+
+
+async def test_a_pump_hands_its_slots_to_a_waiting_batch(fault_fs: tuple[Path, FaultState],
+                                                         make_engine: EngineFactory) -> None:
+    """A long load holds both slots; a one-block load called after it gets the next slot that
+    frees up instead of waiting for the long one to finish. Mutation tried: pumps refilling their
+    slots whoever waits (the short load finished last)."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=32)
+    async with make_engine(caches, 16, num_slots=2, path=mountpoint / "kv.bin") as engine:
+        await store_identity(engine, caches, 16)
+        state.slow_down(0, 16 * engine.file.stride, 0.03, writes=False)
+        finished: list[str] = []
+
+        async def load(name: str, disk: list[int], gpu: list[int]) -> None:
+            await engine.load_batch(disk, gpu)
+            finished.append(name)
+
+        async with task_group() as tasks:
+            tasks.spawn(load, "long", list(range(12)), list(range(16, 28)))
+            await anyio.sleep(0.01)
+            tasks.spawn(load, "short", [15], [30])
+        assert finished == ["short", "long"]
+        assert identify(caches, 30) == (15, 1, True)
+        assert [identify(caches, 16 + i) for i in range(12)] == [(i, 1, True) for i in range(12)]
+
+
+async def test_batches_beyond_the_free_pumps_run_without_one(make_engine: EngineFactory) -> None:
+    """300 one-block loads at once: the ring has 256 pumps; the others take the per-block path,
+    and every block arrives."""
+    caches = id_caches("cpu", blocks=300)
+    async with make_engine(caches, 300, num_slots=2) as engine:
+        await store_identity(engine, caches, 300)
+        for tensor in caches.values():
+            tensor.fill_(-1)
+        before = engine.stats()["pumped_batches"]
+        await gather(*((engine.load_batch, ([d], [299 - d])) for d in range(300)))
+        assert [identify(caches, 299 - d) for d in range(300)] == [(d, 1, True) for d in range(300)]
+        assert 0 < engine.stats()["pumped_batches"] - before < 300
