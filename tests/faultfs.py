@@ -26,9 +26,8 @@ class FaultState:
         self._mutex = threading.Lock()
         self.bad_reads: list[tuple[int, int]] = []
         self.bad_writes: list[tuple[int, int]] = []
-        self.slow_reads: list[tuple[int, int]] = []
-        self.slow_writes: list[tuple[int, int]] = []
-        self.delay = 0.0  # seconds a slow read or write takes
+        self.slow_reads: list[tuple[int, int, float]] = []  # (start, end, seconds)
+        self.slow_writes: list[tuple[int, int, float]] = []
 
     def fail_reads(self, start: int, length: int) -> None:
         with self._mutex:
@@ -43,11 +42,10 @@ class FaultState:
         several threads, and a slow one sleeps before it touches the bytes: a read slowed this way
         returns the bytes as they are at its end."""
         with self._mutex:
-            self.delay = delay
             if reads:
-                self.slow_reads.append((start, start + length))
+                self.slow_reads.append((start, start + length, delay))
             if writes:
-                self.slow_writes.append((start, start + length))
+                self.slow_writes.append((start, start + length, delay))
 
     def clear(self) -> None:
         with self._mutex:
@@ -56,9 +54,11 @@ class FaultState:
             self.slow_reads.clear()
             self.slow_writes.clear()
 
-    def pause(self, ranges: list[tuple[int, int]], offset: int, size: int) -> None:
-        if self.hits(ranges, offset, size):
-            time.sleep(self.delay)
+    def pause(self, ranges: list[tuple[int, int, float]], offset: int, size: int) -> None:
+        with self._mutex:
+            delays = [delay for start, end, delay in ranges if offset < end and start < offset + size]
+        if delays:
+            time.sleep(max(delays))
 
     def hits(self, ranges: list[tuple[int, int]], offset: int, size: int) -> bool:
         with self._mutex:

@@ -90,15 +90,19 @@ async def test_a_cancelled_pumped_load_stops_starting_blocks(fault_fs: tuple[Pat
                                                             make_engine: EngineFactory) -> None:
     """Cancelled part way, the call returns once its started blocks are in place: each cache block
     then holds either its bytes or is untouched, the count of untouched ones is the metrics'
-    cancelled blocks, and every slot is free. Mutation tried: not stopping the pump (all 12 blocks
-    were loaded, none counted as cancelled)."""
+    cancelled blocks, and every slot is free. Odd blocks read slower, so the pump's slots come back
+    one at a time after the stop. Mutations tried: not stopping the pump (all 12 blocks were
+    loaded, none counted as cancelled); offering a stopped pump the slot it just handed back (it
+    handed it back again, without end)."""
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=32)
     async with make_engine(caches, 12, num_slots=2, path=mountpoint / "kv.bin") as engine:
         await store_identity(engine, caches, 12)
         for tensor in caches.values():
             tensor.fill_(-1)
-        state.slow_down(0, 12 * engine.file.stride, 0.02, writes=False)
+        stride = engine.file.stride
+        for block in range(12):
+            state.slow_down(block * stride, stride, 0.02 if block % 2 == 0 else 0.035, writes=False)
         async with task_group() as tasks:
             load = await run_then_cancel(tasks, 0.05, engine.load_batch, list(range(12)), list(range(16, 28)))
         assert load.cancelled

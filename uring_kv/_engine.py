@@ -504,7 +504,7 @@ class Engine:
             for index in released:
                 release(leases[index])  # PUMPING → FREE: the pump's last I/O and memcpy in it are done
         left = pump.nblocks - pump.started
-        if left and pump.slots and self.pool.free and not run.batch.done.done():
+        if left and pump.slots and self.pool.free and not pump.stopped:
             more = self.pool.try_acquire(run.batch.kind, min(left, self.pool.free))
             if more:
                 self._pump_grow(run, more)

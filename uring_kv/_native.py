@@ -188,6 +188,10 @@ class NativePump:
         p = self._p
         return not p.inflight and (p.stop or p.next >= p.nblocks)
 
+    @property
+    def stopped(self) -> bool:
+        return bool(self._p.stop)
+
     def stop(self) -> None:
         """Start no further block (those in flight finish)."""
         self._p.stop = 1
