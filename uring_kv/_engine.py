@@ -109,6 +109,10 @@ def _block_indices(values: Iterable[Any], what: str, limit: int) -> list[int]:
         items = list(values.tolist() if hasattr(values, "tolist") else values)
     except TypeError:
         raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}") from None
+    # The common case checked in C-level passes (a 256-block batch calls this twice); anything
+    # else goes through the loop below, which names the first bad entry.
+    if items and set(map(type, items)) == {int} and min(items) >= 0 and max(items) < limit:
+        return items
     out = []
     for position, value in enumerate(items):
         if isinstance(value, bool):
@@ -441,9 +445,11 @@ class Engine:
         deps: dict[int, Any] = {}
         if kind is Kind.LOAD:
             last_store, reading = self._last_store, self._loads_reading
+            if last_store:  # some store is in flight
+                for d in disk:
+                    if (store := last_store.get(d)) is not None:
+                        deps[id(store)] = store
             for d in disk:
-                if (store := last_store.get(d)) is not None:
-                    deps[id(store)] = store
                 reading.setdefault(d, []).append(phase_done)
         else:
             last_store, reading = self._last_store, self._loads_reading
