@@ -125,28 +125,19 @@ int ukv_unregister_files(struct ukv_ring *r);
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max);
 
-struct ukv_pump {
-    int id, write, fd, fixed_buffers;
-    unsigned sqe_flags;
-    uint64_t stride;
-    unsigned ntensors;
-    const uint64_t *bases, *block_bytes, *slot_offsets;
-    unsigned nblocks;
-    const uint64_t *offsets;
-    const int64_t *cache;
-    const int32_t *waiting;
-    unsigned max_slots;
-    uint64_t *slot_addr;
-    int32_t *slot_buf;
-    int32_t *slot_block;
-    unsigned next, inflight, completed;
-    int stop, touched;
+struct ukv_pump {  /* only what Python reads; ukv_pump_init fills in the rest */
+    int id, stop;
+    unsigned next, inflight, nreleased, nfailed;
     uint32_t *released;
-    unsigned nreleased;
     uint32_t *failed;
     int32_t *fail_errno;
-    unsigned nfailed;
+    ...;
 };
+void ukv_pump_init(struct ukv_pump *p, int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
+                   unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
+                   unsigned nblocks, const uint64_t *offsets, const int64_t *cache, const int32_t *waiting,
+                   unsigned max_slots, uint64_t *slot_addr, int32_t *slot_buf, int32_t *slot_block,
+                   uint32_t *released, uint32_t *failed, int32_t *fail_errno);
 #define UKV_MAX_PUMPS ...
 int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);

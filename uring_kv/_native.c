@@ -190,6 +190,21 @@ static void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t 
     }
 }
 
+/* Fill in a pump (its arrays belong to the caller and outlive it). */
+void ukv_pump_init(struct ukv_pump *p, int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
+                   unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
+                   unsigned nblocks, const uint64_t *offsets, const int64_t *cache, const int32_t *waiting,
+                   unsigned max_slots, uint64_t *slot_addr, int32_t *slot_buf, int32_t *slot_block,
+                   uint32_t *released, uint32_t *failed, int32_t *fail_errno) {
+    memset(p, 0, sizeof *p);
+    p->id = -1; p->write = write; p->fd = fd; p->sqe_flags = sqe_flags; p->fixed_buffers = fixed_buffers;
+    p->stride = stride; p->ntensors = ntensors; p->bases = bases; p->block_bytes = block_bytes;
+    p->slot_offsets = slot_offsets; p->nblocks = nblocks; p->offsets = offsets; p->cache = cache;
+    p->waiting = waiting; p->max_slots = max_slots; p->slot_addr = slot_addr; p->slot_buf = slot_buf;
+    p->slot_block = slot_block; p->released = released; p->failed = failed; p->fail_errno = fail_errno;
+    for (unsigned s = 0; s < max_slots; s++) slot_block[s] = -1;
+}
+
 int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p) {
     for (int id = 0; id < UKV_MAX_PUMPS; id++) {
         if (!r->pumps[id]) {

@@ -159,14 +159,10 @@ class NativePump:
                   ffi.new("uint64_t[]", max_slots), ffi.new("int32_t[]", max_slots), ffi.new("int32_t[]", max_slots),
                   ffi.new("uint32_t[]", max_slots), ffi.new("uint32_t[]", max(n, 1)), ffi.new("int32_t[]", max(n, 1)),
                   blocks, waiting]
-        p.id, p.write, p.fd, p.fixed_buffers, p.sqe_flags, p.stride = -1, int(write), fd, int(fixed_buffers), \
-            sqe_flags, stride
-        p.ntensors, p.bases, p.block_bytes, p.slot_offsets = blocks.c_table()
-        p.nblocks, p.offsets, p.cache, p.waiting = n, arrays[0], arrays[1], waiting
-        p.max_slots, p.slot_addr, p.slot_buf, p.slot_block = max_slots, arrays[2], arrays[3], arrays[4]
-        for s in range(max_slots):
-            p.slot_block[s] = -1
-        p.released, p.failed, p.fail_errno = arrays[5], arrays[6], arrays[7]
+        ntensors, bases, block_bytes, slot_offsets = blocks.c_table()
+        _lib.ukv_pump_init(p, int(write), fd, sqe_flags, int(fixed_buffers), stride, ntensors, bases, block_bytes,
+                           slot_offsets, n, arrays[0], arrays[1], waiting, max_slots, arrays[2], arrays[3], arrays[4],
+                           arrays[5], arrays[6], arrays[7])
         self._p, self._arrays, self._ring, self.nblocks = p, arrays, ring, n
         pump_id = _lib.ukv_pump_attach(ring._ring, p)
         if pump_id < 0:
@@ -186,7 +182,7 @@ class NativePump:
     def finished(self) -> bool:
         """Nothing in flight and nothing more will start."""
         p = self._p
-        return not p.inflight and (p.stop or p.next >= p.nblocks)
+        return not p.inflight and (p.stop or p.next >= self.nblocks)
 
     @property
     def stopped(self) -> bool:
