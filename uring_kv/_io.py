@@ -249,6 +249,8 @@ class UringBackend(IOBackend):
         with contextlib.suppress(BlockingIOError):  # the eventfd is only a hint
             os.eventfd_read(self._efd)
         self._completed.extend(self._ring.reap())
+        if self._ring.refill_error is not None:
+            self._svc.report("uring_kv could not submit pump refills", self._ring.refill_error)
         for pump in self._ring.touched:
             try:
                 self._pump_handlers[pump]()

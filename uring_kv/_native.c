@@ -292,10 +292,10 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
 
 /* ukv_reap, but completions of pump ops are handled here (copy, refill the slot or hand it back)
  * and only the others are returned. `touched` receives the ids of the pumps that moved (each once);
- * a refill is submitted before returning. Returns the count of returned completions, or -errno
- * when submitting the refills failed (they stay queued in the SQ). */
+ * the refills are submitted before returning, and *submit_error set to -errno if that failed (they
+ * stay queued in the SQ for the next submission). Returns the count of returned completions. */
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
-                    unsigned *ntouched) {
+                    unsigned *ntouched, int *submit_error) {
     if (r->flags & IORING_SETUP_DEFER_TASKRUN) io_uring_get_events(&r->ring);
     struct io_uring_cqe *cqes[256];
     unsigned total = 0, pumped = 0;
@@ -325,9 +325,10 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
         io_uring_cq_advance(&r->ring, got);
     }
     for (unsigned i = 0; i < *ntouched; i++) r->pumps[touched[i]]->touched = 0;
+    *submit_error = 0;
     if (pumped) {
         int ret = submit_retry(&r->ring);
-        if (ret < 0) return ret;
+        if (ret < 0) *submit_error = ret;
     }
     return (int)total;
 }

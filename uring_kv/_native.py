@@ -89,7 +89,10 @@ class NativeRing:
         self._reap_res = ffi.new("int32_t[]", self._reap_cap)
         self._touched = ffi.new("int32_t[]", int(_lib.UKV_MAX_PUMPS))
         self._ntouched = ffi.new("unsigned *")
+        self._submit_error = ffi.new("int *")
         self.pumps: dict[int, NativePump] = {}  # attached pumps by id
+        self.touched: list[NativePump] = []  # pumps that moved in the last reap
+        self.refill_error: OSError | None = None
 
     def close(self) -> None:
         if self._ring != ffi.NULL:
@@ -121,12 +124,16 @@ class NativeRing:
 
     def reap(self) -> list[tuple[int, int]]:
         """Every completion the CQ holds now, as (user_data, res); completions of pump ops are
-        handled in C (see :class:`NativePump`) and the pumps that moved are in ``touched``."""
+        handled in C (see :class:`NativePump`) and the pumps that moved are in ``touched``. If
+        submitting the pumps' refills failed, ``refill_error`` says why (they stay queued)."""
         done: list[tuple[int, int]] = []
-        self.touched: list[NativePump] = []
+        self.touched = []
+        self.refill_error = None
         while True:
-            got = _check(_lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
-                                              self._touched, self._ntouched), "io_uring_submit (pump refills)")
+            got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
+                                       self._touched, self._ntouched, self._submit_error)
+            if self._submit_error[0]:
+                self.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
             if self._ntouched[0]:
                 pumps = self.pumps
                 self.touched.extend(pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
