@@ -123,7 +123,6 @@ int ukv_unregister_buffers(struct ukv_ring *r);
 int ukv_register_files(struct ukv_ring *r, const int *fds, unsigned n);
 int ukv_unregister_files(struct ukv_ring *r);
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
-int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max);
 
 struct ukv_pump {  /* only what Python reads; ukv_pump_init fills in the rest */
     int id, stop;

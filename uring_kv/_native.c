@@ -128,26 +128,6 @@ int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n) {
     return ret < 0 ? ret : (int)n;
 }
 
-/* Drain the CQ: up to max completions. With DEFER_TASKRUN, completions are only posted when this
- * (the submitting) thread asks for them, hence io_uring_get_events first. */
-int ukv_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max) {
-    if (r->flags & IORING_SETUP_DEFER_TASKRUN) io_uring_get_events(&r->ring);
-    struct io_uring_cqe *cqes[256];
-    unsigned total = 0;
-    while (total < max) {
-        unsigned want = max - total < 256 ? max - total : 256;
-        unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, want);
-        if (!got) break;
-        for (unsigned i = 0; i < got; i++) {
-            user_data[total + i] = cqes[i]->user_data;
-            res[total + i] = cqes[i]->res;
-        }
-        io_uring_cq_advance(&r->ring, got);
-        total += got;
-    }
-    return (int)total;
-}
-
 /* ------------------------------------------------------------------------------------------------
  * Pumps: a CPU-mode batch run in C. Python hands a pump the batch's blocks (file offset, cache block)
  * and, as it acquires them, staging slots. Each slot carries one block at a time: for a load, read
@@ -171,7 +151,7 @@ struct ukv_pump {
     uint64_t *slot_addr;
     int32_t *slot_buf;         /* registered-buffer index, or -1 */
     int32_t *slot_block;       /* block in the slot, or -1 (also: not held) */
-    unsigned next, inflight, completed;
+    unsigned next, inflight;
     int stop, touched;
     uint32_t *released;        /* slots handed back since Python last looked */
     unsigned nreleased;
@@ -266,7 +246,6 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
         if (s >= p->max_slots || p->slot_block[s] >= 0) return -EINVAL; /* not a slot it may be given */
         p->slot_addr[s] = addrs[i];
         p->slot_buf[s] = bufs[i];
-        p->slot_block[s] = -1;
         if (!p->stop && p->next < p->nblocks && pump_start(r, p, s) == 0) started++;
         else pump_release(p, s);
     }
@@ -278,20 +257,20 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
     int32_t b = s < p->max_slots ? p->slot_block[s] : -1;
     if (b < 0) return; /* not ours: never happens while Python keeps the pump attached */
     p->inflight--;
-    p->completed++;
     if ((uint64_t)(int64_t)res != p->stride) {
         p->failed[p->nfailed] = (uint32_t)b;
         p->fail_errno[p->nfailed++] = res < 0 ? -res : EIO;
     } else if (!p->write) {
         copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 0, p->slot_addr[s], p->cache[b]);
     }
-    p->slot_block[s] = -1;
     if (pump_may_refill(p) && pump_start(r, p, s) == 0) return;
     pump_release(p, s);
 }
 
-/* ukv_reap, but completions of pump ops are handled here (copy, refill the slot or hand it back)
- * and only the others are returned. `touched` receives the ids of the pumps that moved (each once);
+/* Drain the CQ: up to max completions are returned, those of pump ops are handled here instead
+ * (copy, refill the slot or hand it back). With DEFER_TASKRUN, completions are only posted when this
+ * (the submitting) thread asks for them, hence io_uring_get_events first.
+ * `touched` receives the ids of the pumps that moved (each once);
  * the refills are submitted before returning, and *submit_error set to -errno if that failed (they
  * stay queued in the SQ for the next submission). Returns the count of returned completions. */
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
