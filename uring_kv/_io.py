@@ -90,6 +90,10 @@ class IOBackend(ABC):
             op.on_done(res)
         except Exception as exc:  # one bad handler must not stop the others
             self._svc.report("uring_kv I/O completion handler failed", exc)
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        """Let a waiting drain() go on once nothing is in flight."""
         if self.inflight == 0 and self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
 
@@ -183,8 +187,7 @@ class UringBackend(IOBackend):
     def pump_slots(self, pump: NativePump, slots: Sequence[int], addrs: Sequence[int]) -> None:
         """Give ``pump`` more slots (pool index = registered-buffer index, address); each counts
         as in flight until handed back."""
-        if threading.get_ident() != self._owner:
-            raise RuntimeError("io_uring ops must be submitted from the event loop thread that created the ring")
+        self._check_owner()
         self.inflight += len(slots)
         self._pump_slots += len(slots)
         pump.add_slots(slots, addrs, slots)
@@ -193,8 +196,7 @@ class UringBackend(IOBackend):
         """``count`` pump slots were handed back: nothing of theirs is in flight any more."""
         self.inflight -= count
         self._pump_slots -= count
-        if self.inflight == 0 and self._idle is not None and not self._idle.done():
-            self._idle.set_result(None)
+        self._wake_drain()
 
     def pump_done(self, pump: NativePump) -> None:
         pump.detach()
@@ -217,9 +219,12 @@ class UringBackend(IOBackend):
             return
         self._fixed_fd[fd] = 0
 
-    def submit(self, ops: Sequence[Op]) -> None:
+    def _check_owner(self) -> None:
         if threading.get_ident() != self._owner:
             raise RuntimeError("io_uring ops must be submitted from the event loop thread that created the ring")
+
+    def submit(self, ops: Sequence[Op]) -> None:
+        self._check_owner()
         self.inflight += len(ops)
         self._backlog.extend(ops)
         self._flush()
