@@ -443,8 +443,8 @@ class Engine:
             return None
         phase_done = self._svc.create_future()
         deps: dict[int, Any] = {}
+        last_store, reading = self._last_store, self._loads_reading
         if kind is Kind.LOAD:
-            last_store, reading = self._last_store, self._loads_reading
             if last_store:  # some store is in flight
                 for d in disk:
                     if (store := last_store.get(d)) is not None:
@@ -452,7 +452,6 @@ class Engine:
             for d in disk:
                 reading.setdefault(d, []).append(phase_done)
         else:
-            last_store, reading = self._last_store, self._loads_reading
             for d in disk:
                 for fut in reading.get(d, ()):
                     deps[id(fut)] = fut
@@ -551,20 +550,10 @@ class Engine:
         self._check_batch(batch)
 
     def _pump_phase_finished(self, run: _Pumped) -> None:
-        fut = run.phase_done
+        fut, kind, cleared = run.phase_done, run.batch.kind, self._hazard_cleared
         fut.set_result(None)
-        if run.batch.kind is Kind.LOAD:
-            reading = self._loads_reading
-            for d in run.disk:
-                readers = reading[d]
-                readers.remove(fut)
-                if not readers:
-                    del reading[d]
-        else:
-            last_store = self._last_store
-            for d in run.disk:
-                if last_store.get(d) is fut:
-                    del last_store[d]
+        for d in run.disk:  # registered once per entry, so removed once per entry
+            cleared(kind, d, fut)
 
     async def _run(self, batch: _Batch, blocks: list[_Block] | _Pumped, wait: bool) -> TransferHandle:
         try:
@@ -822,14 +811,18 @@ class Engine:
         if fut.done():
             return
         fut.set_result(None)
-        if block.batch.kind is Kind.LOAD:
-            readers = self._loads_reading.get(block.disk_block)
+        self._hazard_cleared(block.batch.kind, block.disk_block, fut)
+
+    def _hazard_cleared(self, kind: Kind, disk_block: int, fut: Any) -> None:
+        """``fut`` (done) no longer stands for a read (load) or write (store) of ``disk_block``."""
+        if kind is Kind.LOAD:
+            readers = self._loads_reading.get(disk_block)
             if readers is not None:
                 readers.remove(fut)
                 if not readers:
-                    del self._loads_reading[block.disk_block]
-        elif self._last_store.get(block.disk_block) is fut:
-            del self._last_store[block.disk_block]
+                    del self._loads_reading[disk_block]
+        elif self._last_store.get(disk_block) is fut:
+            del self._last_store[disk_block]
 
     def _copy_failed(self, group: list[_Block], error: BaseException) -> None:
         """The copier could not enqueue these copies (it waited for whatever it did enqueue): the

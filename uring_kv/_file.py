@@ -96,8 +96,7 @@ class BlockFile:
         return disk_block * self.stride
 
     def offsets(self, disk_blocks: list[int]) -> list[int]:
-        stride = self.stride
-        return [d * stride for d in disk_blocks]
+        return list(map(self.offset, disk_blocks))
 
     def _remove(self) -> None:
         """Unlink the path if it is still our file, then close the fd (even if the unlink failed:
