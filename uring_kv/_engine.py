@@ -550,10 +550,8 @@ class Engine:
         self._check_batch(batch)
 
     def _pump_phase_finished(self, run: _Pumped) -> None:
-        fut, kind, cleared = run.phase_done, run.batch.kind, self._hazard_cleared
-        fut.set_result(None)
-        for d in run.disk:  # registered once per entry, so removed once per entry
-            cleared(kind, d, fut)
+        run.phase_done.set_result(None)
+        self._hazards_cleared(run.batch.kind, run.disk, run.phase_done)
 
     async def _run(self, batch: _Batch, blocks: list[_Block] | _Pumped, wait: bool) -> TransferHandle:
         try:
@@ -811,18 +809,24 @@ class Engine:
         if fut.done():
             return
         fut.set_result(None)
-        self._hazard_cleared(block.batch.kind, block.disk_block, fut)
+        self._hazards_cleared(block.batch.kind, (block.disk_block,), fut)
 
-    def _hazard_cleared(self, kind: Kind, disk_block: int, fut: Any) -> None:
-        """``fut`` (done) no longer stands for a read (load) or write (store) of ``disk_block``."""
+    def _hazards_cleared(self, kind: Kind, disk_blocks: Sequence[int], fut: Any) -> None:
+        """``fut`` (done) no longer stands for a read (load) or write (store) of each entry of
+        ``disk_blocks`` (registered once per entry, so removed once per entry)."""
         if kind is Kind.LOAD:
-            readers = self._loads_reading.get(disk_block)
-            if readers is not None:
-                readers.remove(fut)
-                if not readers:
-                    del self._loads_reading[disk_block]
-        elif self._last_store.get(disk_block) is fut:
-            del self._last_store[disk_block]
+            reading = self._loads_reading
+            for d in disk_blocks:
+                readers = reading.get(d)
+                if readers is not None:
+                    readers.remove(fut)
+                    if not readers:
+                        del reading[d]
+        else:
+            last_store = self._last_store
+            for d in disk_blocks:
+                if last_store.get(d) is fut:
+                    del last_store[d]
 
     def _copy_failed(self, group: list[_Block], error: BaseException) -> None:
         """The copier could not enqueue these copies (it waited for whatever it did enqueue): the
