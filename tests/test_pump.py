@@ -32,9 +32,12 @@ def io_mode() -> str:
     return "uring"  # pumps run on io_uring only
 
 
-async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
+async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: EngineFactory, direct: bool | None) -> None:
+    """On a buffered file the pumps' reads and writes of small blocks go without IOSQE_ASYNC
+    (page-cache hits are copied inside the submission); on O_DIRECT as always."""
     caches = id_caches("cpu", blocks=64)
-    async with make_engine(caches, 64, num_slots=4) as engine:
+    async with make_engine(caches, 64, num_slots=4, direct=direct) as engine:
         await store_identity(engine, caches, 64)
         for tensor in caches.values():
             tensor.fill_(-1)
@@ -46,6 +49,39 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
         assert metrics["load"]["blocks"] == metrics["store"]["blocks"] == 64
         assert engine.io._ring.pumps == {}, "a finished pump is still attached to the ring"  # type: ignore[attr-defined]
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
+
+
+async def test_a_hot_pumped_batch_lets_the_loop_run_between_reap_passes(make_engine: EngineFactory,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refills of a hot buffered batch complete inside their own submission, so one reap could go
+    on until the whole batch is done, holding the loop. With no budget each reap makes one pass
+    (one refill of each slot) and asks for another loop turn: a task that only yields must get
+    many turns while 512 blocks go through 4 slots, and the batch must still finish with exact
+    bytes. Mutation tried: the C reap ignoring its budget (the whole batch went in one reap, the
+    task got 2 turns)."""
+    monkeypatch.setenv("URING_KV_REAP_BUDGET_US", "0")
+    caches = id_caches("cpu", blocks=512)
+    async with make_engine(caches, 512, num_slots=4, direct=False) as engine:
+        await store_identity(engine, caches, 512)  # through the page cache: the loads below hit it
+        for tensor in caches.values():
+            tensor.fill_(-1)
+        turns = 0
+        done = False
+
+        async def yielder() -> None:
+            nonlocal turns
+            while not done:
+                await anyio.sleep(0)
+                turns += 1
+
+        async def load() -> None:
+            nonlocal done
+            await engine.load_batch(list(range(512)), list(range(512)))
+            done = True
+
+        await gather((yielder, ()), (load, ()))
+        assert [identify(caches, g) for g in range(512)] == [(g, 1, True) for g in range(512)]
+        assert turns >= 512 // 4 // 4, f"the loop got {turns} turns while 128 refill rounds ran"
 
 
 async def test_a_load_waits_for_a_pumped_store_of_the_same_block(make_engine: EngineFactory) -> None:

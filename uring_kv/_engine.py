@@ -79,6 +79,9 @@ class _Pumped:
 
 
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
+# Largest block whose pumped reads and writes go without IOSQE_ASYNC on a buffered file: a page-cache
+# hit is then copied inside io_uring_enter on the loop thread (a few µs at this size).
+PUMP_INLINE_BYTES = 32 << 10
 
 
 class TransferHandle:
@@ -250,6 +253,9 @@ class Engine:
         # even a direct submission wait), =0 never.
         forced = os.environ.get("URING_KV_SQE_ASYNC", "")
         async_io = {"1": True, "0": False}.get(forced, not self.file.direct)
+        # Except for native pumps of small blocks: handing each to an io-wq worker costs more than
+        # the copy, and their reap bounds how long it holds the loop (see _io.REAP_BUDGET_US).
+        self._pump_inline = forced != "1" and self.file.stride <= PUMP_INLINE_BYTES
         self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=async_io)
         self.pool = SlotPool(self.num_slots, self.file.stride, self._svc)
         self._host_registered = False
@@ -438,7 +444,7 @@ class Engine:
         try:
             pump = self.io.pump(kind is Kind.STORE, self.file.fd, self.file.stride, self._blocks,
                                 self.file.offsets(disk), gpu, self.pool.waiting, self.num_slots,
-                                lambda: self._pump_progress(holder[0]))
+                                lambda: self._pump_progress(holder[0]), inline=self._pump_inline)
         except PumpsBusy:
             return None
         phase_done = self._svc.create_future()

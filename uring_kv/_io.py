@@ -14,7 +14,9 @@ Some facts about io_uring that shape the ring backend:
   posted only when it asks (``io_uring_get_events``). The ring is created, used and closed on the loop
   thread; that is checked on every submit.
 * Buffered reads that hit the page cache complete inline inside ``io_uring_enter``, on the loop thread.
-  ``async_io=True`` sets IOSQE_ASYNC on every SQE so the work goes to io-wq threads instead.
+  ``async_io=True`` sets IOSQE_ASYNC on every SQE so the work goes to io-wq threads instead. Native
+  pumps of small blocks may go inline anyway (``pump(inline=True)``): their C reap loop bounds the
+  time it holds the loop (``reap_budget_ns``) and asks for another loop turn for the rest.
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ class IOBackend(ABC):
         return res
 
 
+# How long one reap may go on handling pump refills that complete inside their own submission
+# before it lets the loop run other callbacks (URING_KV_REAP_BUDGET_US; 0: one pass per reap).
+REAP_BUDGET_US = 100
+
 _FLAG_LADDER = (
     SetupFlag.SINGLE_ISSUER | SetupFlag.DEFER_TASKRUN | SetupFlag.SUBMIT_ALL,
     SetupFlag.COOP_TASKRUN | SetupFlag.SUBMIT_ALL,
@@ -170,13 +176,17 @@ class UringBackend(IOBackend):
         self.completions_per_callback = per_callback or 1 << 30  # 0: every completion reaped
         self.wakeups = 0
         self._pump_slots = 0  # slots held by native pumps: each may have an op in flight
+        self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
+        ring.reap_budget_ns = env_count("URING_KV_REAP_BUDGET_US", REAP_BUDGET_US) * 1000
 
     def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Sequence[int],
              cache_blocks: Sequence[int], waiting: Any, max_slots: int,
-             on_progress: Callable[[], None]) -> NativePump:
+             on_progress: Callable[[], None], inline: bool = False) -> NativePump:
         """A native pump on this ring (see :class:`NativePump`); ``on_progress()`` runs on the loop
-        after each reap in which the pump moved. Raises :class:`PumpsBusy` when none is free."""
-        sqe_flags = self._sqe_flags
+        after each reap in which the pump moved. ``inline``: no IOSQE_ASYNC on its SQEs even when
+        the backend sets it (page-cache hits are copied inside the submission, on this thread).
+        Raises :class:`PumpsBusy` when none is free."""
+        sqe_flags = 0 if inline else self._sqe_flags
         if fd in self._fixed_fd:
             fd, sqe_flags = self._fixed_fd[fd], sqe_flags | _FIXED_FILE
         pump = NativePump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
@@ -250,19 +260,29 @@ class UringBackend(IOBackend):
         self._ring.submit(sqes)
 
     def _on_wakeup(self) -> None:
+        if self._efd < 0:  # a reap scheduled for a later turn, after close()
+            return
         self.wakeups += 1
         with contextlib.suppress(BlockingIOError):  # the eventfd is only a hint
             os.eventfd_read(self._efd)
-        self._completed.extend(self._ring.reap())
-        if self._ring.refill_error is not None:
-            self._svc.report("uring_kv could not submit pump refills", self._ring.refill_error)
-        for pump in self._ring.touched:
+        ring = self._ring
+        self._completed.extend(ring.reap())
+        if ring.more and not self._reap_again:  # completions left over for a later loop turn
+            self._reap_again = True
+            self._svc.call_soon(self._reap_later)
+        if ring.refill_error is not None:
+            self._svc.report("uring_kv could not submit pump refills", ring.refill_error)
+        for pump in ring.touched:
             try:
                 self._pump_handlers[pump]()
             except Exception as exc:  # one bad handler must not stop the others
                 self._svc.report("uring_kv pump handler failed", exc)
         if not self._continuing:
             self._run_completions()
+
+    def _reap_later(self) -> None:
+        self._reap_again = False
+        self._on_wakeup()
 
     def _run_completions(self) -> None:
         """Run up to ``completions_per_callback`` handlers, then, if more are reaped, let the loop

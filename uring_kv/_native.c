@@ -267,48 +267,66 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
     pump_release(p, s);
 }
 
+static int64_t now_ns(void);
+
 /* Drain the CQ: up to max completions are returned, those of pump ops are handled here instead
  * (copy, refill the slot or hand it back). With DEFER_TASKRUN, completions are only posted when this
  * (the submitting) thread asks for them, hence io_uring_get_events first.
- * `touched` receives the ids of the pumps that moved (each once);
- * the refills are submitted before returning, and *submit_error set to -errno if that failed (they
- * stay queued in the SQ for the next submission). Returns the count of returned completions. */
+ * The refills are submitted before returning (*submit_error = -errno if that failed; they stay
+ * queued in the SQ for the next submission). Reads and writes that the kernel completes inside the
+ * submission (page-cache hits without IOSQE_ASYNC) are in the CQ when it returns: while a pass
+ * refilled something and finds such completions, another pass runs, until `budget_ns` has gone by
+ * (0: one pass); then *more = 1 and the caller must call again soon (from a later loop turn).
+ * `touched` receives the ids of the pumps that moved (each once). Returns the count of returned
+ * completions. */
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
-                    unsigned *ntouched, int *submit_error) {
+                    unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more) {
     if (r->flags & IORING_SETUP_DEFER_TASKRUN) io_uring_get_events(&r->ring);
     struct io_uring_cqe *cqes[256];
-    unsigned total = 0, pumped = 0;
+    unsigned total = 0;
+    int64_t deadline = budget_ns > 0 ? now_ns() + budget_ns : 0;
     *ntouched = 0;
+    *submit_error = 0;
+    *more = 0;
     for (;;) {
-        unsigned want = max - total < 256 ? max - total : 256;
-        if (!want) break;
-        unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, want);
-        if (!got) break;
-        for (unsigned i = 0; i < got; i++) {
-            uint64_t ud = cqes[i]->user_data;
-            if (ud & UKV_PUMP_TAG) {
-                unsigned id = (unsigned)((ud >> 32) & 0x7fffffff);
-                struct ukv_pump *p = id < UKV_MAX_PUMPS ? r->pumps[id] : NULL;
-                if (!p) continue;
-                pump_complete(r, p, (unsigned)(ud & 0xffffffffu), cqes[i]->res);
-                pumped++;
-                if (!p->touched) {
-                    p->touched = 1;
-                    touched[(*ntouched)++] = (int32_t)id;
+        unsigned pumped = 0;
+        for (;;) {
+            unsigned want = max - total < 256 ? max - total : 256;
+            if (!want) break;
+            unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, want);
+            if (!got) break;
+            for (unsigned i = 0; i < got; i++) {
+                uint64_t ud = cqes[i]->user_data;
+                if (ud & UKV_PUMP_TAG) {
+                    unsigned id = (unsigned)((ud >> 32) & 0x7fffffff);
+                    struct ukv_pump *p = id < UKV_MAX_PUMPS ? r->pumps[id] : NULL;
+                    if (!p) continue;
+                    pump_complete(r, p, (unsigned)(ud & 0xffffffffu), cqes[i]->res);
+                    pumped++;
+                    if (!p->touched) {
+                        p->touched = 1;
+                        touched[(*ntouched)++] = (int32_t)id;
+                    }
+                    continue;
                 }
-                continue;
+                user_data[total] = ud;
+                res[total++] = cqes[i]->res;
             }
-            user_data[total] = ud;
-            res[total++] = cqes[i]->res;
+            io_uring_cq_advance(&r->ring, got);
         }
-        io_uring_cq_advance(&r->ring, got);
+        if (!pumped) break;
+        int ret = submit_retry(&r->ring);
+        if (ret < 0) {
+            *submit_error = ret;
+            break;
+        }
+        if (total >= max || !io_uring_cq_ready(&r->ring)) break; /* nothing completed inline */
+        if (!deadline || now_ns() >= deadline) {
+            *more = 1;
+            break;
+        }
     }
     for (unsigned i = 0; i < *ntouched; i++) r->pumps[touched[i]]->touched = 0;
-    *submit_error = 0;
-    if (pumped) {
-        int ret = submit_retry(&r->ring);
-        if (ret < 0) *submit_error = ret;
-    }
     return (int)total;
 }
 

@@ -90,9 +90,12 @@ class NativeRing:
         self._touched = ffi.new("int32_t[]", int(_lib.UKV_MAX_PUMPS))
         self._ntouched = ffi.new("unsigned *")
         self._submit_error = ffi.new("int *")
+        self._more = ffi.new("int *")
+        self.reap_budget_ns = 0  # see reap()
         self.pumps: dict[int, NativePump] = {}  # attached pumps by id
         self.touched: list[NativePump] = []  # pumps that moved in the last reap
         self.refill_error: OSError | None = None
+        self.more = False  # the last reap ran out of its budget with completions left
 
     def close(self) -> None:
         if self._ring != ffi.NULL:
@@ -125,13 +128,20 @@ class NativeRing:
     def reap(self) -> list[tuple[int, int]]:
         """Every completion the CQ holds now, as (user_data, res); completions of pump ops are
         handled in C (see :class:`NativePump`) and the pumps that moved are in ``touched``. If
-        submitting the pumps' refills failed, ``refill_error`` says why (they stay queued)."""
+        submitting the pumps' refills failed, ``refill_error`` says why (they stay queued).
+
+        Pump refills that the kernel completes inside their submission (page-cache hits without
+        IOSQE_ASYNC) are handled in further passes for up to ``reap_budget_ns``; ``more`` is True
+        when the budget ran out with such completions left: the caller reaps again on a later
+        loop turn (nothing else would wake it for them)."""
         done: list[tuple[int, int]] = []
         self.touched = []
         self.refill_error = None
+        self.more = False
         while True:
             got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
-                                       self._touched, self._ntouched, self._submit_error)
+                                       self._touched, self._ntouched, self._submit_error, self.reap_budget_ns,
+                                       self._more)
             if self._submit_error[0]:
                 self.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
             if self._ntouched[0]:
@@ -140,6 +150,7 @@ class NativeRing:
             if got:
                 done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
             if got < self._reap_cap:
+                self.more = bool(self._more[0])
                 return done
 
 
