@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from uring_kv._bridge import Bridge
 from uring_kv._copy import CudaCopier, HostCopier, HostEvent, staged_kernel_preparer
@@ -27,7 +27,7 @@ from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, UringBackend, open_backend
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
-from uring_kv._native import BlockCopier, NativePump, PumpsBusy
+from uring_kv._native import BlockCopier, NativePump, PumpsBusy, bitmap, block_array, check_blocks
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
 from uring_kv.metrics import DirectionMetrics
@@ -59,6 +59,15 @@ class _Batch:
     size: int = 0
     skipped: int = 0  # blocks never started (the batch was cancelled)
     created: float = field(default_factory=time.monotonic)
+
+
+class _Args(NamedTuple):
+    """A call's validated arguments; the block indices also as C int64 arrays."""
+    disk: list[int]
+    gpu: list[int]
+    after: Any
+    disk_c: Any
+    gpu_c: Any
 
 
 @dataclass(eq=False)
@@ -105,17 +114,21 @@ class TransferHandle:
         return self._svc.wait(self._batch.done).__await__()
 
 
-def _block_indices(values: Iterable[Any], what: str, limit: int) -> list[int]:
+def _block_indices(values: Iterable[Any], what: str, limit: int) -> tuple[list[int], Any]:
+    """The entries as a list and as a C int64 array, each checked to be an integer in [0, limit)."""
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}")
     try:
         items = list(values.tolist() if hasattr(values, "tolist") else values)
     except TypeError:
         raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}") from None
-    # The common case checked in C-level passes (a 256-block batch calls this twice); anything
-    # else goes through the loop below, which names the first bad entry.
-    if items and set(map(type, items)) == {int} and min(items) >= 0 and max(items) < limit:
-        return items
+    # The common case (plain ints) is converted and range-checked in C; anything else goes through
+    # the loop below, which names the first bad entry.
+    if set(map(type, items)) <= {int}:
+        with contextlib.suppress(OverflowError):  # beyond int64: the loop says which is out of range
+            array = block_array(items)
+            if check_blocks(array, len(items), limit) < 0:
+                return items, array
     out = []
     for position, value in enumerate(items):
         if isinstance(value, bool):
@@ -127,7 +140,7 @@ def _block_indices(values: Iterable[Any], what: str, limit: int) -> list[int]:
         if not 0 <= index < limit:
             raise ValueError(f"{what}[{position}] = {index} is out of range [0, {limit})")
         out.append(index)
-    return out
+    return out, block_array(out)
 
 
 def _normalise_caches(caches: Any) -> tuple[list[str], list[Any]]:
@@ -192,6 +205,8 @@ class Engine:
         self.device = self._tensors[0].device
         self.gpu = self.device.type == "cuda"
         self.num_gpu_blocks = int(self._tensors[0].shape[0])
+        self._seen_gpu = bitmap(self.num_gpu_blocks)  # scratch for the repeat checks of a call
+        self._seen_disk: Any = None  # the same for disk blocks of stores, made on first use
         self._tensor_block_bytes = [t.stride(0) * t.element_size() for t in self._tensors]
         offsets, total = [], 0
         for nbytes in self._tensor_block_bytes:
@@ -398,10 +413,11 @@ class Engine:
 
     def _load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
                     after: Any) -> tuple[_Batch, list[_Block] | _Pumped]:
-        disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
+        args = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
+        disk, gpu, after = args.disk, args.gpu, args.after
         invalid = self._invalid
         if self._pumped_batches and disk and not (invalid and any(d in invalid for d in disk)):
-            run = self._pumped(Kind.LOAD, disk, gpu)
+            run = self._pumped(Kind.LOAD, args)
             if run is not None:
                 return run.batch, run
         batch = self._new_batch(Kind.LOAD, after, len(disk))
@@ -421,9 +437,10 @@ class Engine:
 
     def _store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
                      after: Any) -> tuple[_Batch, list[_Block] | _Pumped]:
-        disk, gpu, after = self._validate(disk_blocks, gpu_blocks, after, Kind.STORE)
+        args = self._validate(disk_blocks, gpu_blocks, after, Kind.STORE)
+        disk, gpu, after = args.disk, args.gpu, args.after
         if self._pumped_batches and disk:
-            run = self._pumped(Kind.STORE, disk, gpu)
+            run = self._pumped(Kind.STORE, args)
             if run is not None:
                 return run.batch, run
         batch = self._new_batch(Kind.STORE, after, len(disk))
@@ -437,13 +454,14 @@ class Engine:
             blocks.append(block)
         return batch, blocks
 
-    def _pumped(self, kind: Kind, disk: list[int], gpu: list[int]) -> _Pumped | None:
+    def _pumped(self, kind: Kind, args: _Args) -> _Pumped | None:
         """A batch for a native pump, its hazards registered per batch; None when no pump is free."""
         assert isinstance(self.io, UringBackend)
         holder: list[_Pumped] = []
+        disk, n = args.disk, len(args.disk)
         try:
             pump = self.io.pump(kind is Kind.STORE, self.file.fd, self.file.stride, self._blocks,
-                                self.file.offsets(disk), gpu, self.pool.waiting, self.num_slots,
+                                self.file.offsets(args.disk_c, n), args.gpu_c, n, self.pool.waiting, self.num_slots,
                                 lambda: self._pump_progress(holder[0]), inline=self._pump_inline)
         except PumpsBusy:
             return None
@@ -575,23 +593,24 @@ class Engine:
             raise
 
     # ----------------------------------------------------------------- internals
-    def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> tuple[list[int], list[int], Any]:
+    def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> _Args:
         if self._state != "open":
             raise EngineClosedError(f"engine is {self._state}")
-        disk = _block_indices(disk_blocks, "disk_blocks", self.num_disk_blocks)
-        gpu = _block_indices(gpu_blocks, "gpu_blocks", self.num_gpu_blocks)
+        disk, disk_c = _block_indices(disk_blocks, "disk_blocks", self.num_disk_blocks)
+        gpu, gpu_c = _block_indices(gpu_blocks, "gpu_blocks", self.num_gpu_blocks)
         if len(disk) != len(gpu):
             raise ValueError(f"disk_blocks has {len(disk)} entries but gpu_blocks has {len(gpu)}")
-        if len(set(gpu)) != len(gpu):
-            dup = next(g for g in gpu if gpu.count(g) > 1)
-            raise ValueError(f"gpu block {dup} appears twice in one batch")
-        if kind is Kind.STORE and len(set(disk)) != len(disk):
-            dup = next(d for d in disk if disk.count(d) > 1)
-            raise ValueError(f"disk block {dup} appears twice in one store batch")
+        if (dup := check_blocks(gpu_c, len(gpu), self.num_gpu_blocks, self._seen_gpu)) >= 0:
+            raise ValueError(f"gpu block {gpu[dup]} appears twice in one batch")
+        if kind is Kind.STORE:
+            if self._seen_disk is None:
+                self._seen_disk = bitmap(self.num_disk_blocks)
+            if (dup := check_blocks(disk_c, len(disk), self.num_disk_blocks, self._seen_disk)) >= 0:
+                raise ValueError(f"disk block {disk[dup]} appears twice in one store batch")
         if not self.gpu:
             if after is not None:
                 raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
-            return disk, gpu, None
+            return _Args(disk, gpu, None, disk_c, gpu_c)
         import torch
 
         if after is not None and not isinstance(after, torch.cuda.Event):
@@ -600,7 +619,7 @@ class Engine:
             # Default ordering: after whatever the caller's current stream has queued so far.
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
-        return disk, gpu, after
+        return _Args(disk, gpu, after, disk_c, gpu_c)
 
     def _new_batch(self, kind: Kind, after: Any, count: int) -> _Batch:
         batch = _Batch(kind, count, self._svc.create_future(), self._svc.create_future(), count,

@@ -12,9 +12,10 @@ import errno
 import fcntl
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from uring_kv._memory import HostBuffer
-from uring_kv._native import dio_alignment
+from uring_kv._native import dio_alignment, scaled
 
 DEFAULT_ALIGNMENT = 4096
 
@@ -95,8 +96,10 @@ class BlockFile:
     def offset(self, disk_block: int) -> int:
         return disk_block * self.stride
 
-    def offsets(self, disk_blocks: list[int]) -> list[int]:
-        return list(map(self.offset, disk_blocks))
+    def offsets(self, disk_blocks: Any, n: int) -> Any:
+        """The offsets of ``n`` blocks given as a C int64 array, as a C uint64 array (for pumps):
+        the same rule as :meth:`offset`, in one C pass."""
+        return scaled(disk_blocks, n, self.stride)
 
     def _remove(self) -> None:
         """Unlink the path if it is still our file, then close the fd (even if the unlink failed:

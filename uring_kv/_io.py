@@ -179,8 +179,8 @@ class UringBackend(IOBackend):
         self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
         ring.reap_budget_ns = env_count("URING_KV_REAP_BUDGET_US", REAP_BUDGET_US) * 1000
 
-    def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Sequence[int],
-             cache_blocks: Sequence[int], waiting: Any, max_slots: int,
+    def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any,
+             nblocks: int, waiting: Any, max_slots: int,
              on_progress: Callable[[], None], inline: bool = False) -> NativePump:
         """A native pump on this ring (see :class:`NativePump`); ``on_progress()`` runs on the loop
         after each reap in which the pump moved. ``inline``: no IOSQE_ASYNC on its SQEs even when
@@ -190,7 +190,7 @@ class UringBackend(IOBackend):
         if fd in self._fixed_fd:
             fd, sqe_flags = self._fixed_fd[fd], sqe_flags | _FIXED_FILE
         pump = NativePump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
-                          cache_blocks, waiting, max_slots)
+                          cache_blocks, nblocks, waiting, max_slots)
         self._pump_handlers[pump] = on_progress
         return pump
 

@@ -170,19 +170,54 @@ static void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t 
     }
 }
 
-/* Fill in a pump (its arrays belong to the caller and outlive it). */
-void ukv_pump_init(struct ukv_pump *p, int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
-                   unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
-                   unsigned nblocks, const uint64_t *offsets, const int64_t *cache, const int32_t *waiting,
-                   unsigned max_slots, uint64_t *slot_addr, int32_t *slot_buf, int32_t *slot_block,
-                   uint32_t *released, uint32_t *failed, int32_t *fail_errno) {
-    memset(p, 0, sizeof *p);
+/* A pump for nblocks blocks and slots below max_slots, its own arrays in the same allocation (free
+ * with ukv_pump_free); offsets, cache, the tensor table and `waiting` belong to the caller and must
+ * outlive it. NULL when out of memory. */
+struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
+                              unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                              const uint64_t *slot_offsets, unsigned nblocks, const uint64_t *offsets,
+                              const int64_t *cache, const int32_t *waiting, unsigned max_slots) {
+    size_t slots = max_slots ? max_slots : 1, blocks = nblocks ? nblocks : 1;
+    struct ukv_pump *p = calloc(1, sizeof *p + slots * (sizeof(uint64_t) + 2 * sizeof(int32_t) + sizeof(uint32_t)) +
+                                       blocks * (sizeof(uint32_t) + sizeof(int32_t)));
+    if (!p) return NULL;
     p->id = -1; p->write = write; p->fd = fd; p->sqe_flags = sqe_flags; p->fixed_buffers = fixed_buffers;
     p->stride = stride; p->ntensors = ntensors; p->bases = bases; p->block_bytes = block_bytes;
     p->slot_offsets = slot_offsets; p->nblocks = nblocks; p->offsets = offsets; p->cache = cache;
-    p->waiting = waiting; p->max_slots = max_slots; p->slot_addr = slot_addr; p->slot_buf = slot_buf;
-    p->slot_block = slot_block; p->released = released; p->failed = failed; p->fail_errno = fail_errno;
-    for (unsigned s = 0; s < max_slots; s++) slot_block[s] = -1;
+    p->waiting = waiting; p->max_slots = max_slots;
+    p->slot_addr = (uint64_t *)(p + 1); /* the 8-byte array first, then the 4-byte ones */
+    p->slot_buf = (int32_t *)(p->slot_addr + slots);
+    p->slot_block = p->slot_buf + slots;
+    p->released = (uint32_t *)(p->slot_block + slots);
+    p->failed = p->released + slots;
+    p->fail_errno = (int32_t *)(p->failed + blocks);
+    for (unsigned s = 0; s < max_slots; s++) p->slot_block[s] = -1;
+    return p;
+}
+
+void ukv_pump_free(struct ukv_pump *p) { free(p); }
+
+/* -1 when every v[i] lies in [0, limit) and, given `seen` (a zeroed bitmap of at least `limit` bits,
+ * left zeroed), no value repeats; else the first position that breaks a rule. */
+long ukv_check_blocks(const int64_t *v, unsigned n, int64_t limit, uint64_t *seen) {
+    long bad = -1;
+    unsigned i;
+    for (i = 0; i < n; i++) {
+        if (v[i] < 0 || v[i] >= limit) { bad = (long)i; break; }
+        if (seen) {
+            uint64_t bit = 1ULL << (v[i] & 63), *word = &seen[v[i] >> 6];
+            if (*word & bit) { bad = (long)i; break; }
+            *word |= bit;
+        }
+    }
+    if (seen)
+        for (unsigned j = 0; j < i; j++) seen[v[j] >> 6] = 0; /* only this call's bits were set */
+    return bad;
+}
+
+/* out[i] = v[i] * factor (the file offsets of blocks). */
+void ukv_scale(const int64_t *v, unsigned n, uint64_t factor, uint64_t *out) {
+    for (unsigned i = 0; i < n; i++) out[i] = (uint64_t)v[i] * factor;
 }
 
 int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p) {

@@ -166,22 +166,20 @@ class NativePump:
     counts, read by C before it reuses a slot. Call on the ring's thread only; :meth:`detach` once
     :attr:`finished`."""
 
-    __slots__ = ("_arrays", "_p", "_ring", "nblocks")
+    __slots__ = ("_keep", "_p", "_ring", "nblocks")
 
     def __init__(self, ring: NativeRing, write: bool, fd: int, sqe_flags: int, fixed_buffers: bool,
-                 stride: int, blocks: BlockCopier, offsets: Sequence[int], cache_blocks: Sequence[int],
+                 stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any, nblocks: int,
                  waiting: Any, max_slots: int) -> None:
-        p = ffi.new("struct ukv_pump *")
-        n = len(offsets)
-        arrays = [ffi.new("uint64_t[]", offsets), ffi.new("int64_t[]", cache_blocks),
-                  ffi.new("uint64_t[]", max_slots), ffi.new("int32_t[]", max_slots), ffi.new("int32_t[]", max_slots),
-                  ffi.new("uint32_t[]", max_slots), ffi.new("uint32_t[]", max(n, 1)), ffi.new("int32_t[]", max(n, 1)),
-                  blocks, waiting]
+        """``offsets`` (uint64) and ``cache_blocks`` (int64) are C arrays of ``nblocks`` entries
+        (see :func:`block_array` and :func:`scaled`)."""
         ntensors, bases, block_bytes, slot_offsets = blocks.c_table()
-        _lib.ukv_pump_init(p, int(write), fd, sqe_flags, int(fixed_buffers), stride, ntensors, bases, block_bytes,
-                           slot_offsets, n, arrays[0], arrays[1], waiting, max_slots, arrays[2], arrays[3], arrays[4],
-                           arrays[5], arrays[6], arrays[7])
-        self._p, self._arrays, self._ring, self.nblocks = p, arrays, ring, n
+        raw = _lib.ukv_pump_new(int(write), fd, sqe_flags, int(fixed_buffers), stride, ntensors, bases, block_bytes,
+                                slot_offsets, nblocks, offsets, cache_blocks, waiting, max_slots)
+        if raw == ffi.NULL:
+            raise MemoryError("no memory for a pump")
+        p = ffi.gc(raw, _lib.ukv_pump_free)
+        self._p, self._keep, self._ring, self.nblocks = p, (offsets, cache_blocks, blocks, waiting), ring, nblocks
         pump_id = _lib.ukv_pump_attach(ring._ring, p)
         if pump_id < 0:
             raise PumpsBusy(f"all {int(_lib.UKV_MAX_PUMPS)} pumps of the ring are in use")
@@ -233,6 +231,29 @@ class NativePump:
         if self._p.id >= 0:
             self._ring.pumps.pop(int(self._p.id), None)
             _lib.ukv_pump_detach(self._ring._ring, self._p)
+
+
+def block_array(values: list[int]) -> Any:
+    """``values`` as a C int64 array (TypeError for a non-integer, OverflowError beyond int64)."""
+    return ffi.new("int64_t[]", values)
+
+
+def check_blocks(array: Any, n: int, limit: int, seen: Any = None) -> int:
+    """-1 when the ``n`` entries of ``array`` all lie in [0, limit) and, given ``seen`` (a
+    :func:`bitmap` of at least ``limit`` bits), none repeats; else the first position that does not."""
+    return int(_lib.ukv_check_blocks(array, n, limit, ffi.NULL if seen is None else seen))
+
+
+def bitmap(bits: int) -> Any:
+    """A zeroed bitmap for :func:`check_blocks`."""
+    return ffi.new("uint64_t[]", max(1, (bits + 63) // 64))
+
+
+def scaled(array: Any, n: int, factor: int) -> Any:
+    """A C uint64 array of ``array[i] * factor``."""
+    out = ffi.new("uint64_t[]", max(n, 1))
+    _lib.ukv_scale(array, n, factor, out)
+    return out
 
 
 def counters(n: int) -> Any:
