@@ -101,11 +101,15 @@ async def test_a_load_waits_for_a_pumped_store_of_the_same_block(make_engine: En
             await store.join()
 
 
+@pytest.mark.parametrize("store_pumped", [True, False], ids=["pumped-store", "per-block-store"])
 async def test_a_store_waits_for_a_pumped_load_of_the_same_block(fault_fs: tuple[Path, FaultState],
-                                                                 make_engine: EngineFactory) -> None:
+                                                                 make_engine: EngineFactory,
+                                                                 store_pumped: bool) -> None:
     """The load's read of block 7 is slow; a store to block 7 called meanwhile must not write
-    before that read is done. Mutation tried: stores not waiting for the load batch (the load then
-    delivers version 2)."""
+    before that read is done, whether the store runs in a pump or a block at a time (as when every
+    pump is busy). A pumped load registers its blocks once, as a set. Mutations tried: stores not
+    waiting for the load batch, and per-block stores not looking in pumped loads' sets (the load
+    then delivered version 2)."""
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=16)
     async with make_engine(caches, 8, num_slots=4, path=mountpoint / "kv.bin") as engine:
@@ -115,6 +119,7 @@ async def test_a_store_waits_for_a_pumped_load_of_the_same_block(fault_fs: tuple
         async with task_group() as tasks:
             load = tasks.spawn(engine.load_batch, list(range(8)), list(range(8, 16)))
             await anyio.sleep(0.05)  # the slow read is in flight, the other slots are free again
+            engine._pumped_batches = store_pumped
             await engine.store_batch([0], [7])
             await load.join()
         assert identify(caches, 15) == (7, 1, True)

@@ -227,6 +227,7 @@ class Engine:
         self._active: set[_Batch] = set()
         self._last_store: dict[int, Any] = {}  # disk block → phase_done of its latest store
         self._loads_reading: dict[int, list[Any]] = {}  # disk block → phase_done of reads in flight
+        self._batch_reads: dict[Any, set[int]] = {}  # phase_done of a pumped load → the blocks it reads
         self._invalid: dict[int, int] = {}  # disk block → errno of its last, failed store
         self._flush_scheduled = False
         self._ready_batches: list[_Batch] = []
@@ -445,8 +446,11 @@ class Engine:
                 return run.batch, run
         batch = self._new_batch(Kind.STORE, after, len(disk))
         blocks = []
+        batch_reads = self._batch_reads
         for d, g in zip(disk, gpu, strict=True):
             deps = list(self._loads_reading.get(d, ()))
+            if batch_reads:
+                deps.extend(fut for fut, reads in batch_reads.items() if d in reads)
             if (store := self._last_store.get(d)) is not None:
                 deps.append(store)
             block = _Block(d, g, batch, deps, self._svc.create_future())
@@ -473,8 +477,8 @@ class Engine:
                 for d in disk:
                     if (store := last_store.get(d)) is not None:
                         deps[id(store)] = store
-            for d in disk:
-                reading.setdefault(d, []).append(phase_done)
+            # One entry for the whole batch: a store looks for its blocks in each pumped load's set.
+            self._batch_reads[phase_done] = set(disk)
         else:
             for d in disk:
                 for fut in reading.get(d, ()):
@@ -482,6 +486,9 @@ class Engine:
                 if (store := last_store.get(d)) is not None:
                     deps[id(store)] = store
                 last_store[d] = phase_done
+            for fut, reads in self._batch_reads.items():
+                if not reads.isdisjoint(disk):
+                    deps[id(fut)] = fut
         run = _Pumped(self._new_batch(kind, None, len(disk)), disk, list(deps.values()), phase_done, pump)
         self._pumped_count += 1
         holder.append(run)
@@ -575,7 +582,10 @@ class Engine:
 
     def _pump_phase_finished(self, run: _Pumped) -> None:
         run.phase_done.set_result(None)
-        self._hazards_cleared(run.batch.kind, run.disk, run.phase_done)
+        if run.batch.kind is Kind.LOAD:
+            del self._batch_reads[run.phase_done]
+        else:
+            self._hazards_cleared(Kind.STORE, run.disk, run.phase_done)
 
     async def _run(self, batch: _Batch, blocks: list[_Block] | _Pumped, wait: bool) -> TransferHandle:
         try:
