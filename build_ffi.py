@@ -135,7 +135,7 @@ struct ukv_pump {  /* only what Python reads; ukv_pump_init fills in the rest */
 struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
                               unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                               const uint64_t *slot_offsets, unsigned nblocks, const uint64_t *offsets,
-                              const int64_t *cache, const int32_t *waiting, unsigned max_slots);
+                              const int64_t *cache, const int32_t *waiting, unsigned max_slots, int scatter);
 void ukv_pump_free(struct ukv_pump *p);
 long ukv_check_blocks(const int64_t *v, unsigned n, int64_t limit, uint64_t *seen);
 void ukv_scale(const int64_t *v, unsigned n, uint64_t factor, uint64_t *out);

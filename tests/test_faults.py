@@ -11,11 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import EngineFactory
 from faultfs import FaultState
 
 from uring_kv import BlockIOError
-from uring_kv.testing import fill, id_caches, identify, store_identity
+from uring_kv.testing import content, fill, id_caches, identify, store_identity
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
 
@@ -32,10 +33,13 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
-async def test_eio_on_read_names_the_block(fault_fs: tuple[Path, FaultState], make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
+async def test_eio_on_read_names_the_block(fault_fs: tuple[Path, FaultState], make_engine: EngineFactory,
+                                           direct: bool | None) -> None:
+    """Buffered, CPU-mode loads on io_uring read straight into the caches (pumps scatter them)."""
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=8)
-    engine = make_engine(caches, 8, num_slots=2, path=mountpoint / "kv.bin")
+    engine = make_engine(caches, 8, num_slots=2, path=mountpoint / "kv.bin", direct=direct)
     async with engine:
         await store_identity(engine, caches, 8)
         state.fail_reads(engine.file.offset(5), engine.file.stride)
@@ -101,9 +105,11 @@ async def test_enospc_raises_and_stored_blocks_survive(tiny_tmpfs: Path, make_en
         assert engine.stats()["leases_held"] == 0
 
 
-async def test_file_truncated_under_the_engine_raises_no_stale_bytes(make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
+async def test_file_truncated_under_the_engine_raises_no_stale_bytes(make_engine: EngineFactory,
+                                                                     direct: bool | None) -> None:
     caches = id_caches("cpu", blocks=4)
-    async with make_engine(caches, 4, num_slots=2) as engine:
+    async with make_engine(caches, 4, num_slots=2, direct=direct) as engine:
         await store_identity(engine, caches, 4)
         os.truncate(engine.path, 0)
         for t in caches.values():
@@ -112,6 +118,32 @@ async def test_file_truncated_under_the_engine_raises_no_stale_bytes(make_engine
             await engine.load_batch([0, 1, 2, 3], [0, 1, 2, 3])
         assert set(info.value.failures) == {0, 1, 2, 3}
         assert all(identify(caches, g)[0] == -1 for g in range(4)), "a failed block's slot bytes reached the cache"
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
+async def test_a_short_read_fails_its_block_and_delivers_no_other_blocks_bytes(make_engine: EngineFactory,
+                                                                               direct: bool | None) -> None:
+    """The file ends part-way through block 2 (two tensors in): blocks 0 and 1 load, 2 and 3 fail
+    with EIO. Each tensor's piece of a failed block is either untouched or block 2's own bytes
+    (a buffered CPU-mode load reads straight into the caches, so a short read can fill a prefix);
+    never the bytes a slot held from another block. The slots carried blocks 0 and 1 first."""
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 4, num_slots=2, direct=direct) as engine:
+        await store_identity(engine, caches, 4)
+        piece = caches["layer0"][0].nbytes  # the file holds each block as its tensors' pieces in turn
+        os.truncate(engine.path, engine.file.offset(2) + 2 * piece)
+        for t in caches.values():
+            t.fill_(-1)
+        with pytest.raises(BlockIOError) as info:
+            await engine.load_batch([0, 1, 2, 3], [4, 5, 6, 7])
+        assert info.value.failures == {2: errno.EIO, 3: errno.EIO}
+        assert identify(caches, 4) == (0, 1, True) and identify(caches, 5) == (1, 1, True)
+        for gpu_block, disk_block in ((6, 2), (7, 3)):
+            for layer, t in enumerate(caches.values()):
+                got = t[gpu_block]
+                assert bool((got == -1).all()) or torch.equal(got, content(disk_block, 1, layer, "cpu")), (
+                    f"gpu block {gpu_block} layer {layer} holds bytes of another block: {got[:2].tolist()}")
+        assert engine.stats()["leases_held"] == 0
 
 
 def _flip_a_byte(path: str, offset: int) -> None:

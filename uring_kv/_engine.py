@@ -91,6 +91,7 @@ COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_
 # Largest block whose pumped reads and writes go without IOSQE_ASYNC on a buffered file: a page-cache
 # hit is then copied inside io_uring_enter on the loop thread (a few µs at this size).
 PUMP_INLINE_BYTES = 32 << 10
+PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
 
 
 class TransferHandle:
@@ -298,6 +299,10 @@ class Engine:
         self._pumped_batches = (isinstance(self.io, UringBackend) and isinstance(self.copier, HostCopier)
                                 and self.copier.inline_blocks >= 1 and not self.checksum
                                 and os.environ.get("URING_KV_PUMP", "1") != "0")
+        # Pumped loads of a buffered file read straight into the cache tensors (O_DIRECT would need
+        # every piece aligned; IOV_MAX bounds the pieces of one read).
+        self._pump_scatter = (not self.file.direct and len(self._tensors) <= PUMP_SCATTER_MAX_TENSORS
+                              and os.environ.get("URING_KV_PUMP_SCATTER", "1") != "0")
 
     def _release(self) -> None:
         """Free whatever open() set up, last part first. Nothing may be in flight any more."""
@@ -466,7 +471,8 @@ class Engine:
         try:
             pump = self.io.pump(kind is Kind.STORE, self.file.fd, self.file.stride, self._blocks,
                                 self.file.offsets(args.disk_c, n), args.gpu_c, n, self.pool.waiting, self.num_slots,
-                                lambda: self._pump_progress(holder[0]), inline=self._pump_inline)
+                                lambda: self._pump_progress(holder[0]), inline=self._pump_inline,
+                                scatter=kind is Kind.LOAD and self._pump_scatter)
         except PumpsBusy:
             return None
         phase_done = self._svc.create_future()

@@ -181,16 +181,16 @@ class UringBackend(IOBackend):
 
     def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any,
              nblocks: int, waiting: Any, max_slots: int,
-             on_progress: Callable[[], None], inline: bool = False) -> NativePump:
-        """A native pump on this ring (see :class:`NativePump`); ``on_progress()`` runs on the loop
-        after each reap in which the pump moved. ``inline``: no IOSQE_ASYNC on its SQEs even when
-        the backend sets it (page-cache hits are copied inside the submission, on this thread).
-        Raises :class:`PumpsBusy` when none is free."""
+             on_progress: Callable[[], None], inline: bool = False, scatter: bool = False) -> NativePump:
+        """A native pump on this ring (see :class:`NativePump`, also for ``scatter``); ``on_progress()``
+        runs on the loop after each reap in which the pump moved. ``inline``: no IOSQE_ASYNC on its
+        SQEs even when the backend sets it (page-cache hits are copied inside the submission, on this
+        thread). Raises :class:`PumpsBusy` when none is free."""
         sqe_flags = 0 if inline else self._sqe_flags
         if fd in self._fixed_fd:
             fd, sqe_flags = self._fixed_fd[fd], sqe_flags | _FIXED_FILE
         pump = NativePump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
-                          cache_blocks, nblocks, waiting, max_slots)
+                          cache_blocks, nblocks, waiting, max_slots, scatter)
         self._pump_handlers[pump] = on_progress
         return pump
 

@@ -148,6 +148,8 @@ struct ukv_pump {
     const int64_t *cache;      /* cache block of each block */
     const int32_t *waiting;    /* [0]: loads waiting for a slot, [1]: stores waiting */
     unsigned max_slots;        /* slots are named by their index in the pool, below this */
+    uint64_t expect;           /* bytes each read or write moves: the stride, or the block's pieces */
+    struct iovec *slot_iov;    /* scatter loads: each slot's iovecs (ntensors each), else NULL */
     uint64_t *slot_addr;
     int32_t *slot_buf;         /* registered-buffer index, or -1 */
     int32_t *slot_block;       /* block in the slot, or -1 (also: not held) */
@@ -172,25 +174,35 @@ static void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t 
 
 /* A pump for nblocks blocks and slots below max_slots, its own arrays in the same allocation (free
  * with ukv_pump_free); offsets, cache, the tensor table and `waiting` belong to the caller and must
- * outlive it. NULL when out of memory. */
+ * outlive it. `scatter` (loads only): read each block straight into its cache pieces (one READV,
+ * an iovec per tensor) instead of into the slot and then memcpy; the slot then only stands for
+ * a place in the queue depth. NULL when out of memory. */
 struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
                               unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                               const uint64_t *slot_offsets, unsigned nblocks, const uint64_t *offsets,
-                              const int64_t *cache, const int32_t *waiting, unsigned max_slots) {
+                              const int64_t *cache, const int32_t *waiting, unsigned max_slots, int scatter) {
     size_t slots = max_slots ? max_slots : 1, blocks = nblocks ? nblocks : 1;
-    struct ukv_pump *p = calloc(1, sizeof *p + slots * (sizeof(uint64_t) + 2 * sizeof(int32_t) + sizeof(uint32_t)) +
+    size_t iovs = scatter && !write ? slots * ntensors : 0;
+    struct ukv_pump *p = calloc(1, sizeof *p + slots * sizeof(uint64_t) + iovs * sizeof(struct iovec) +
+                                       slots * (2 * sizeof(int32_t) + sizeof(uint32_t)) +
                                        blocks * (sizeof(uint32_t) + sizeof(int32_t)));
     if (!p) return NULL;
     p->id = -1; p->write = write; p->fd = fd; p->sqe_flags = sqe_flags; p->fixed_buffers = fixed_buffers;
     p->stride = stride; p->ntensors = ntensors; p->bases = bases; p->block_bytes = block_bytes;
     p->slot_offsets = slot_offsets; p->nblocks = nblocks; p->offsets = offsets; p->cache = cache;
     p->waiting = waiting; p->max_slots = max_slots;
-    p->slot_addr = (uint64_t *)(p + 1); /* the 8-byte array first, then the 4-byte ones */
-    p->slot_buf = (int32_t *)(p->slot_addr + slots);
+    p->slot_addr = (uint64_t *)(p + 1); /* the 8-byte arrays first, then the 4-byte ones */
+    p->slot_iov = iovs ? (struct iovec *)(p->slot_addr + slots) : NULL;
+    p->slot_buf = (int32_t *)((char *)(p->slot_addr + slots) + iovs * sizeof(struct iovec));
     p->slot_block = p->slot_buf + slots;
     p->released = (uint32_t *)(p->slot_block + slots);
     p->failed = p->released + slots;
     p->fail_errno = (int32_t *)(p->failed + blocks);
+    p->expect = stride;
+    if (p->slot_iov) {
+        p->expect = 0;
+        for (unsigned t = 0; t < ntensors; t++) p->expect += block_bytes[t];
+    }
     for (unsigned s = 0; s < max_slots; s++) p->slot_block[s] = -1;
     return p;
 }
@@ -248,7 +260,14 @@ static int pump_start(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     void *slot = (void *)(uintptr_t)p->slot_addr[s];
     if (p->write) copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 1, p->slot_addr[s], p->cache[b]);
     int buf = p->fixed_buffers ? p->slot_buf[s] : -1;
-    if (p->write && buf >= 0) io_uring_prep_write_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);
+    if (p->slot_iov) {
+        struct iovec *iov = p->slot_iov + (size_t)s * p->ntensors;
+        for (unsigned t = 0; t < p->ntensors; t++) {
+            iov[t].iov_base = (void *)(uintptr_t)(p->bases[t] + (uint64_t)p->cache[b] * p->block_bytes[t]);
+            iov[t].iov_len = p->block_bytes[t];
+        }
+        io_uring_prep_readv(sqe, p->fd, iov, p->ntensors, p->offsets[b]);
+    } else if (p->write && buf >= 0) io_uring_prep_write_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);
     else if (p->write) io_uring_prep_write(sqe, p->fd, slot, p->stride, p->offsets[b]);
     else if (buf >= 0) io_uring_prep_read_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);
     else io_uring_prep_read(sqe, p->fd, slot, p->stride, p->offsets[b]);
@@ -292,10 +311,10 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
     int32_t b = s < p->max_slots ? p->slot_block[s] : -1;
     if (b < 0) return; /* not ours: never happens while Python keeps the pump attached */
     p->inflight--;
-    if ((uint64_t)(int64_t)res != p->stride) {
+    if ((uint64_t)(int64_t)res != p->expect) {
         p->failed[p->nfailed] = (uint32_t)b;
         p->fail_errno[p->nfailed++] = res < 0 ? -res : EIO;
-    } else if (!p->write) {
+    } else if (!p->write && !p->slot_iov) {
         copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 0, p->slot_addr[s], p->cache[b]);
     }
     if (pump_may_refill(p) && pump_start(r, p, s) == 0) return;

@@ -170,12 +170,13 @@ class NativePump:
 
     def __init__(self, ring: NativeRing, write: bool, fd: int, sqe_flags: int, fixed_buffers: bool,
                  stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any, nblocks: int,
-                 waiting: Any, max_slots: int) -> None:
+                 waiting: Any, max_slots: int, scatter: bool = False) -> None:
         """``offsets`` (uint64) and ``cache_blocks`` (int64) are C arrays of ``nblocks`` entries
-        (see :func:`block_array` and :func:`scaled`)."""
+        (see :func:`block_array` and :func:`scaled`). ``scatter`` (loads): read each block straight
+        into its pieces of the cache tensors (an iovec each) instead of into the slot, then memcpy."""
         ntensors, bases, block_bytes, slot_offsets = blocks.c_table()
         raw = _lib.ukv_pump_new(int(write), fd, sqe_flags, int(fixed_buffers), stride, ntensors, bases, block_bytes,
-                                slot_offsets, nblocks, offsets, cache_blocks, waiting, max_slots)
+                                slot_offsets, nblocks, offsets, cache_blocks, waiting, max_slots, int(scatter))
         if raw == ffi.NULL:
             raise MemoryError("no memory for a pump")
         p = ffi.gc(raw, _lib.ukv_pump_free)
