@@ -516,7 +516,10 @@ class Engine:
                     lease = await self.pool.acquire(kind)
                     self._metrics[kind].slot_wait_s.observe(time.monotonic() - waited)
                     run.waits += 1
-                    self._pump_grow(run, [lease])
+                    leases = [lease]  # and whatever else is free for the blocks left, in one hand-over
+                    if (left := pump.nblocks - pump.started - 1) > 0 and self.pool.free:
+                        leases += self.pool.try_acquire(kind, min(left, self.pool.free))
+                    self._pump_grow(run, leases)
                 else:
                     run.wake = self._svc.create_future()
                     await self._svc.wait(run.wake)
