@@ -91,6 +91,7 @@ COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_
 # Largest block whose pumped reads and writes go without IOSQE_ASYNC on a buffered file: a page-cache
 # hit is then copied inside io_uring_enter on the loop thread (a few µs at this size).
 PUMP_INLINE_BYTES = 32 << 10
+PUMP_INLINE_PASS_BYTES = 1 << 20  # ... and only while all slots together hold at most this much
 PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
 
 
@@ -272,7 +273,9 @@ class Engine:
         async_io = {"1": True, "0": False}.get(forced, not self.file.direct)
         # Except for native pumps of small blocks: handing each to an io-wq worker costs more than
         # the copy, and their reap bounds how long it holds the loop (see _io.REAP_BUDGET_US).
-        self._pump_inline = forced != "1" and self.file.stride <= PUMP_INLINE_BYTES
+        # A reap pass refills each slot at most once, so a pass copies at most slots × block inline.
+        self._pump_inline = (forced != "1" and self.file.stride <= PUMP_INLINE_BYTES
+                             and self.num_slots * self.file.stride <= PUMP_INLINE_PASS_BYTES)
         self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=async_io)
         self.pool = SlotPool(self.num_slots, self.file.stride, self._svc)
         self._host_registered = False
