@@ -70,8 +70,8 @@ def test_the_heap_is_frozen_only_while_measuring() -> None:
 
 
 def test_lag_ticker_sees_a_stalled_loop() -> None:
-    """Both of the ticker's measures catch a 20 ms blocking call on the loop, and the thread-ticked
-    one stays small while the loop only sleeps."""
+    """Both of the ticker's measures catch a 20 ms blocking call on the loop, and the one ticked
+    by the probe process stays small while the loop only sleeps."""
     import asyncio
     import time
 

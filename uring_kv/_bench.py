@@ -11,7 +11,7 @@ Methods (load; stores mirror them):
 * ``threads``: N threads each doing pread into its own bounce buffer, then the copy.
 * ``ring ceiling``: a C loop on io_uring with registered buffers, same block size and depth, no Python.
 * ``pcie ceiling`` (GPU): one large pinned copy.
-The event loop's lag is sampled by a ticker task while each method runs.
+The event loop's lag is sampled while each method runs (a probe process writing to a pipe the loop watches).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import random
 import resource
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -85,13 +86,81 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class _Prober:
+    """A child process that writes its CLOCK_MONOTONIC time (8 bytes) into a pipe every
+    ``period`` seconds, for the life of this process. Being another process, its own late wake-ups
+    and its need for a GIL never show as the loop's lag: a sample is taken from the time it wrote."""
+
+    _CODE = (
+        "import os, struct, sys, time\n"
+        "fd, period = int(sys.argv[1]), float(sys.argv[2])\n"
+        "due = time.monotonic()\n"
+        "while True:\n"
+        "    due += period\n"
+        "    wait = due - time.monotonic()\n"
+        "    if wait > 0:\n"
+        "        time.sleep(wait)\n"
+        "    else:\n"
+        "        due = time.monotonic()\n"
+        "    try:\n"
+        "        os.write(fd, struct.pack('d', time.monotonic()))\n"
+        "    except OSError:\n"  # the reading end is gone: this process has exited
+        "        break\n"
+    )
+    _shared: _Prober | None = None
+
+    def __init__(self, period: float) -> None:
+        import subprocess
+
+        self.fd, write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        try:
+            self._child = subprocess.Popen([sys.executable, "-c", self._CODE, str(write_fd), str(period)],
+                                           pass_fds=(write_fd,), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(write_fd)
+        self._pending = b""
+        import select
+
+        select.select([self.fd], [], [], 10.0)  # up once it has written (an interpreter starts in ~50 ms)
+
+    @classmethod
+    def shared(cls, period: float) -> _Prober:
+        if cls._shared is None:
+            cls._shared = cls(period)
+            import atexit
+
+            atexit.register(cls._shared.close)
+        return cls._shared
+
+    def drain(self) -> list[float]:
+        """The send times of every sample written since the last call."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 4096)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._pending += chunk
+        whole = len(self._pending) // 8 * 8
+        sent = [value for (value,) in struct.iter_unpack("d", self._pending[:whole])]
+        self._pending = self._pending[whole:]
+        return sent
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self._child.wait(timeout=5)
+
+
 class LagTicker:
     """The event loop's responsiveness while a method runs, sampled every millisecond two ways.
 
-    ``samples`` (the "lag" columns): a thread asks the loop to run a callback at fixed 1 ms ticks
-    (``call_soon_threadsafe``, the way a socket or another thread wakes the loop); a sample is how
-    long after its tick the callback ran. It counts every way the loop can be kept from running:
-    a long callback, a wait for the GIL, the loop thread not being scheduled.
+    ``samples`` (the "lag" columns): another process writes its clock into a pipe the loop watches
+    (``add_reader``, as a socket wakes a server's loop), every 1 ms; a sample is how long after the
+    write the loop ran the reader callback. It counts every way the loop can be kept from running:
+    a long callback, a wait for the GIL, the loop thread not being scheduled; and nothing else (the
+    writer's own scheduling delays are its own, taken out by stamping the time it wrote).
 
     ``timer_samples``: how late a task's ``asyncio.sleep(0.001)`` wakes up. asyncio passes epoll
     a timeout in whole milliseconds, rounded up, so a loop woken by I/O part-way through a tick
@@ -105,8 +174,8 @@ class LagTicker:
         self.samples: list[float] = []
         self.timer_samples: list[float] = []
         self._task: asyncio.Task[None] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._prober = _Prober.shared(self.PERIOD)
 
     async def _timer(self) -> None:
         while True:
@@ -114,33 +183,21 @@ class LagTicker:
             await asyncio.sleep(self.PERIOD)
             self.timer_samples.append(max(0.0, time.perf_counter() - start - self.PERIOD))
 
-    def _tick(self, due: float) -> None:
-        self.samples.append(max(0.0, time.perf_counter() - due))
-
-    def _probe(self, loop: asyncio.AbstractEventLoop) -> None:
-        due = time.perf_counter() + self.PERIOD
-        while not self._stop.wait(max(0.0, due - time.perf_counter())):
-            try:
-                loop.call_soon_threadsafe(self._tick, due)
-            except RuntimeError:  # the loop closed
-                return
-            due += self.PERIOD
-            now = time.perf_counter()
-            if due < now:  # this thread itself was held up: skip the ticks it missed
-                due = now + self.PERIOD
+    def _on_probe(self) -> None:
+        now = time.monotonic()
+        self.samples.extend(max(0.0, now - sent) for sent in self._prober.drain())
 
     def __enter__(self) -> LagTicker:
-        loop = asyncio.get_running_loop()
-        self._task = loop.create_task(self._timer())
-        self._thread = threading.Thread(target=self._probe, args=(loop,), name="uring-kv-bench-ticker", daemon=True)
-        self._thread.start()
+        self._loop = asyncio.get_running_loop()
+        self._prober.drain()  # written while nobody measured
+        self._loop.add_reader(self._prober.fd, self._on_probe)
+        self._task = self._loop.create_task(self._timer())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        assert self._task is not None and self._thread is not None
+        assert self._task is not None and self._loop is not None
         self._task.cancel()
-        self._stop.set()
-        self._thread.join()
+        self._loop.remove_reader(self._prober.fd)
 
 
 @contextlib.contextmanager
