@@ -148,6 +148,7 @@ class HostCopier:
 
 # The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
 # block's device staging slot and the tensor. UKV_STAGED_MAX and the struct match _native.c.
+STAGED_MAX = 8  # blocks per kernel launch
 _SCATTER_SOURCE = r"""
 #define UKV_STAGED_MAX 8
 struct UkvBlocks { unsigned long long staging[UKV_STAGED_MAX]; long long gpu[UKV_STAGED_MAX]; };
@@ -374,6 +375,11 @@ class CudaCopier:
                 joined.wait_event(each)
             event.record(joined)
         self._bridge.call_soon_threadsafe(marker.then, event)
+
+    @property
+    def staged(self) -> bool:
+        """Copies take the staged path (one driver copy per block, one kernel per ``STAGED_MAX``)."""
+        return self._staging is not None
 
     @property
     def description(self) -> str:

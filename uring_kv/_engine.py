@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from uring_kv._bridge import Bridge
-from uring_kv._copy import CudaCopier, HostCopier, HostEvent, staged_kernel_preparer
+from uring_kv._copy import STAGED_MAX, CudaCopier, HostCopier, HostEvent, staged_kernel_preparer
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, UringBackend, open_backend
 from uring_kv._loop import LoopServices, current_services
@@ -297,6 +297,8 @@ class Engine:
                                      staging=(self.pool.slab.addr, self.file.stride, self.num_slots, self.block_bytes))
         else:
             self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
+        staged = isinstance(self.copier, CudaCopier) and self.copier.staged
+        self._copy_call_blocks = STAGED_MAX if staged else max(1, COPY_CALL_PIECES // len(self._tensors))
         # CPU mode on io_uring runs batches in native pumps when a block's copy may run on the loop
         # (as inline copies do) and nothing per block needs Python (checksums, slowed copies).
         self._pumped_batches = (isinstance(self.io, UringBackend) and isinstance(self.copier, HostCopier)
@@ -725,8 +727,10 @@ class Engine:
         # Copy calls of at most ~COPY_CALL_PIECES pieces (one per tensor and block), each with its own
         # event: the driver takes 1-2 µs of CPU per piece, so one call for 32 blocks of 32 layers
         # would hold all 32 slots until the last piece is enqueued and copied; smaller calls hand
-        # slots back as they go, and reads and copies overlap instead of taking turns.
-        step = max(1, COPY_CALL_PIECES // len(self._tensors))
+        # slots back as they go, and reads and copies overlap instead of taking turns. Staged copies
+        # cost one driver copy per block whatever the layer count: a call then takes as many blocks
+        # as one kernel launch moves (fewer calls per burst of completions for the submit thread).
+        step = self._copy_call_blocks
         for first in range(0, len(group), step):
             chunk = group[first:first + step]
             slot_addrs = [b.lease.addr for b in chunk if b.lease is not None]
