@@ -18,7 +18,8 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
     code = main(["bench", "--path", str(tmp_path), "--size", "4M", "--block-size", "64K", "--layers", "4",
-                 "--batch", "16", "--batches", "2", "--slots", "4", "--threads", "2", "--checksum", "--json", str(out),
+                 "--batch", "16", "--batches", "2", "--slots", "4", "--spare-slots", "2", "--threads", "2",
+                 "--checksum", "--json", str(out),
                  "--plot", str(plot)])
     assert code == 0
     result = json.loads(out.read_text())
@@ -41,7 +42,8 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     # (+ "pcie ceiling" on a GPU)
     assert {"serial", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
     extra = result["extra"][str(64 << 10)]
-    assert extra["pinned_bytes"] == 4 * 64 * 1024
+    assert extra["pinned_bytes"] == 6 * 64 * 1024  # 4 slots of depth and 2 spare
+    assert extra["io_depth"] == 4 and extra["slots"] == 6
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
     assert "verified: all" in capsys.readouterr().out

@@ -52,7 +52,8 @@ class BenchConfig:
     batches: int = 4
     warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
     gc_freeze: bool = True  # collect and freeze the heap before measuring (see _frozen_heap)
-    slots: int = 32
+    slots: int = 32  # uring_kv's I/O depth and the ring ceiling's
+    spare_slots: int | None = None  # uring_kv's slots beyond that depth (None: slots // 4 on a GPU, else 0)
     threads: int = 8
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
     device: str = "auto"
@@ -500,8 +501,11 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
         ("cold" if config.direct else "hot", config.direct)]
     for case, direct in cases:
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
-        async with Engine(work.caches, path, work.num_disk_blocks, config.slots,
-                          direct=None if direct else False, checksum=config.checksum) as engine:
+        spare = config.spare_slots if config.spare_slots is not None else (
+            config.slots // 4 if device.type == "cuda" else 0)
+        async with Engine(work.caches, path, work.num_disk_blocks, config.slots + spare,
+                          direct=None if direct else False, checksum=config.checksum,
+                          io_depth=config.slots) as engine:
             if direct and not engine.file.direct:
                 extra[f"{case}_note"] = f"O_DIRECT unavailable: {engine.file.reason}; 'cold' is buffered"
             progress(f"{block_bytes >> 10} KiB {case}: writing {work.num_disk_blocks} blocks")
@@ -510,7 +514,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             if not direct:
                 await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
             stats = engine.stats()
-            extra.update(pinned_bytes=stats["pinned_bytes"], io=stats["io"], copy=stats["copy"])
+            extra.update(pinned_bytes=stats["pinned_bytes"], slots=config.slots + spare, io_depth=stats["io_depth"],
+                         io=stats["io"], copy=stats["copy"])
             serial = SerialBaseline(work, fd, stride)
             pool = ThreadPoolBaseline(work, fd, stride, config.threads)
             ceiling = RingCeiling(fd, stride, config.slots)

@@ -186,6 +186,10 @@ class Engine:
     under asyncio or trio (directly or through anyio): ``open()`` binds the engine to the loop it runs on.
 
     ``num_slots``: staging slots (pinned host memory = num_slots × padded block size).
+    ``io_depth``: at most this many reads and writes in flight (default: ``num_slots``). Fewer than
+    the slots leaves spare slots for blocks between their I/O and the end of their copy, so a slot's
+    turnaround through the copy does not take an I/O out of flight (GPU mode). CPU-mode native pumps
+    keep one I/O per slot, so an engine with ``io_depth < num_slots`` runs without them.
     ``direct``: True requires O_DIRECT, False never uses it, None (default) probes and falls back.
     ``io``: 'auto' (default, or ``$URING_KV_IO``), 'uring' or 'threads'.
     ``copy_delay``: for tests: hold every copy back about this many seconds (a host sleep in CPU
@@ -196,13 +200,16 @@ class Engine:
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
                  *, direct: bool | None = None, io: str | None = None, copy_delay: float = 0.0,
-                 checksum: bool = False) -> None:
+                 checksum: bool = False, io_depth: int | None = None) -> None:
         if isinstance(num_disk_blocks, bool) or not isinstance(num_disk_blocks, int) or num_disk_blocks < 1:
             raise ValueError(f"num_disk_blocks must be a positive integer, got {num_disk_blocks!r}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
         if copy_delay < 0:
             raise ValueError(f"copy_delay must be >= 0, got {copy_delay}")
+        if io_depth is not None and (isinstance(io_depth, bool) or not isinstance(io_depth, int) or io_depth < 1):
+            raise ValueError(f"io_depth must be a positive integer or None, got {io_depth!r}")
+        self.io_depth = min(io_depth, num_slots) if io_depth is not None else num_slots
         self.names, self._tensors = _normalise_caches(caches)
         self.device = self._tensors[0].device
         self.gpu = self.device.type == "cuda"
@@ -276,7 +283,9 @@ class Engine:
         # A reap pass refills each slot at most once, so a pass copies at most slots × block inline.
         self._pump_inline = (forced != "1" and self.file.stride <= PUMP_INLINE_BYTES
                              and self.num_slots * self.file.stride <= PUMP_INLINE_PASS_BYTES)
-        self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=async_io)
+        capped = self.io_depth < self.num_slots
+        self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=async_io,
+                                          depth=self.io_depth if capped else None)
         self.pool = SlotPool(self.num_slots, self.file.stride, self._svc)
         self._host_registered = False
         if self.gpu:
@@ -303,6 +312,7 @@ class Engine:
         # (as inline copies do) and nothing per block needs Python (checksums, slowed copies).
         self._pumped_batches = (isinstance(self.io, UringBackend) and isinstance(self.copier, HostCopier)
                                 and self.copier.inline_blocks >= 1 and not self.checksum
+                                and self.io_depth >= self.num_slots
                                 and os.environ.get("URING_KV_PUMP", "1") != "0")
         # Pumped loads of a buffered file read straight into the cache tensors (O_DIRECT would need
         # every piece aligned; IOV_MAX bounds the pieces of one read).
@@ -396,6 +406,7 @@ class Engine:
             "direct": self.file.direct,
             "fixed_buffers": self.io.fixed_buffers,
             "pinned_bytes": self.pool.slab.size,
+            "io_depth": self.io_depth,
             "loop": self._svc.name,
         }
 

@@ -143,7 +143,7 @@ class UringBackend(IOBackend):
     name = "uring"
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
-                 async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER) -> None:
+                 async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER, depth: int | None = None) -> None:
         per_callback = env_count("URING_KV_COMPLETIONS_PER_CALLBACK", 0)
         super().__init__(services)
         self._owner = threading.get_ident()
@@ -169,7 +169,8 @@ class UringBackend(IOBackend):
         self._pump_handlers: dict[NativePump, Callable[[], None]] = {}
         self._next_user_data = 1
         self._backlog: deque[Op] = deque()
-        self._capacity = ring.cq_entries  # never more in flight than the CQ can hold
+        # Never more in flight than the CQ can hold, nor than ``depth``: ops beyond wait in the backlog.
+        self._capacity = min(ring.cq_entries, depth) if depth else ring.cq_entries
         self._fixed_fd: dict[int, int] = {}
         self._completed: deque[tuple[int, int]] = deque()  # reaped, handler not yet run
         self._continuing = False  # a _run_completions callback is scheduled
@@ -359,19 +360,22 @@ class ThreadBackend(IOBackend):
 
 
 def open_backend(mode: str | None = None, *, services: LoopServices | None = None,
-                 async_io: bool = False, entries: int = 256, workers: int = 8) -> IOBackend:
+                 async_io: bool = False, entries: int = 256, workers: int = 8, depth: int | None = None) -> IOBackend:
     """The backend for ``mode`` ('auto', 'uring' or 'threads'; default ``$URING_KV_IO`` or 'auto').
 
     'auto' falls back to threads with one RuntimeWarning naming the cause; 'uring' raises
-    :class:`UringUnavailable` instead of falling back.
+    :class:`UringUnavailable` instead of falling back. ``depth``: at most this many ops in flight
+    (the rest wait their turn in submission order); None: as many as the backend takes.
     """
+    if depth:
+        workers = min(workers, depth)
     mode = mode or os.environ.get("URING_KV_IO") or "auto"
     if mode not in ("auto", "uring", "threads"):
         raise ValueError(f"I/O mode must be 'auto', 'uring' or 'threads', got {mode!r}")
     if mode == "threads":
         return ThreadBackend(services, workers, reason="URING_KV_IO=threads")
     try:
-        return UringBackend(services, entries, async_io)
+        return UringBackend(services, entries, async_io, depth=depth)
     except UringUnavailable as exc:
         if mode == "uring":
             raise

@@ -40,7 +40,8 @@ def _bench(args: argparse.Namespace) -> int:
     from uring_kv._bench import BenchConfig, plot, render, run_bench, to_json
 
     config = BenchConfig(path=args.path, size=args.size, layers=args.layers, batch=args.batch,
-                         batches=args.batches, warmup=args.warmup, slots=args.slots, threads=args.threads,
+                         batches=args.batches, warmup=args.warmup, slots=args.slots,
+                         spare_slots=args.spare_slots, threads=args.threads,
                          direct=args.direct, device=args.device, checksum=args.checksum,
                          gc_freeze=args.gc_freeze)
     if args.block_size:
@@ -180,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="unmeasured batches per method first (default 1)")
     bench.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                        help="do not collect and freeze the heap before measuring")
-    bench.add_argument("--slots", type=int, default=32)
+    bench.add_argument("--slots", type=int, default=32,
+                       help="I/O depth of uring_kv and of the ring ceiling (default 32)")
+    bench.add_argument("--spare-slots", type=_at_least(0), default=None,
+                       help="uring_kv's staging slots beyond that depth, for blocks in their copy "
+                            "(default: slots/4 on a GPU, 0 in CPU mode)")
     bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
     direct = bench.add_mutually_exclusive_group()
     direct.add_argument("--direct", dest="direct", action="store_true", default=None, help="cold (O_DIRECT) only")
