@@ -4,12 +4,14 @@ between their I/O and the end of their copy."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
+from aio import settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory
 
 from uring_kv._io import UringBackend
-from uring_kv.testing import id_caches, identify, store_identity
+from uring_kv.testing import fill, id_caches, identify, store_identity
 
 
 @pytest.fixture(params=BOTH_BACKENDS)
@@ -66,3 +68,42 @@ def test_io_depth_is_checked() -> None:
             Engine(caches, "/nonexistent/kv.bin", 4, 4, io_depth=bad)  # type: ignore[arg-type]
     assert Engine(caches, "/nonexistent/kv.bin", 4, 4, io_depth=16).io_depth == 4  # at most the slots
     assert Engine(caches, "/nonexistent/kv.bin", 4, 4).io_depth == 4
+
+
+async def test_under_a_depth_cap_reads_go_ahead_of_queued_writes(make_engine: EngineFactory,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Depth 1: a store's writes queue up behind the one in flight; a load called meanwhile has its
+    read submitted before writes that were queued ahead of it (loads are the latency-critical side).
+    Mutation tried: one FIFO backlog for both (the read waited for every write queued before it)."""
+    seq: dict[int, int] = {}
+    jumped: list[bool] = []
+    submit, flush = UringBackend.submit, UringBackend._flush
+
+    def numbered_submit(self: UringBackend, ops: list[Any]) -> None:
+        for op in ops:
+            seq[id(op)] = len(seq)
+        submit(self, ops)
+
+    def watching_flush(self: UringBackend) -> None:
+        before = set(self._pending)
+        flush(self)
+        for user_data in self._pending.keys() - before:
+            op = self._pending[user_data]
+            if not op.write:  # a read went in: were writes queued before it still waiting?
+                jumped.append(any(seq[id(w)] < seq[id(op)] for w in self._backlog[1]))
+
+    monkeypatch.setattr(UringBackend, "submit", numbered_submit)
+    monkeypatch.setattr(UringBackend, "_flush", watching_flush)
+    caches = id_caches("cpu", blocks=24)
+    async with make_engine(caches, 16, num_slots=4, io_depth=1) as engine:
+        await store_identity(engine, caches, 8)
+        for block in range(8):
+            fill(caches, block, block, 2)
+        async with task_group() as tasks:
+            store = tasks.spawn(engine.store_batch, list(range(8)), list(range(8)))
+            await settle()  # its first writes are queued
+            await engine.load_batch([12], [12])  # never stored: reads zeros, which is fine here
+            await store.join()
+        await engine.load_batch(list(range(8)), list(range(16, 24)))
+        assert [identify(caches, 16 + b) for b in range(8)] == [(b, 2, True) for b in range(8)]
+    assert any(jumped), "no read was ever submitted ahead of a write queued before it"

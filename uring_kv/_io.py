@@ -168,7 +168,9 @@ class UringBackend(IOBackend):
         self._pending: dict[int, Op] = {}
         self._pump_handlers: dict[NativePump, Callable[[], None]] = {}
         self._next_user_data = 1
-        self._backlog: deque[Op] = deque()
+        # Ops waiting for room in flight (the CQ's size, or the depth): reads, then writes; reads go
+        # first, as loads get slots first.
+        self._backlog: tuple[deque[Op], deque[Op]] = (deque(), deque())
         # Never more in flight than the CQ can hold, nor than ``depth``: ops beyond wait in the backlog.
         self._capacity = min(ring.cq_entries, depth) if depth else ring.cq_entries
         self._fixed_fd: dict[int, int] = {}
@@ -237,18 +239,21 @@ class UringBackend(IOBackend):
     def submit(self, ops: Sequence[Op]) -> None:
         self._check_owner()
         self.inflight += len(ops)
-        self._backlog.extend(ops)
+        backlog = self._backlog
+        for op in ops:
+            backlog[op.write].append(op)
         self._flush()
 
     def _flush(self) -> None:
         room = self._capacity - len(self._pending) - self._pump_slots
-        if room <= 0 or not self._backlog:
+        reads, writes = self._backlog
+        if room <= 0 or not (reads or writes):
             return
         sqes = []
-        pending, backlog, fixed_fd = self._pending, self._backlog, self._fixed_fd
+        pending, fixed_fd = self._pending, self._fixed_fd
         use_fixed = self.fixed_buffers
-        while backlog and room > 0:
-            op = backlog.popleft()
+        while (reads or writes) and room > 0:
+            op = reads.popleft() if reads else writes.popleft()
             room -= 1
             user_data = self._next_user_data
             self._next_user_data += 1
@@ -365,7 +370,7 @@ def open_backend(mode: str | None = None, *, services: LoopServices | None = Non
 
     'auto' falls back to threads with one RuntimeWarning naming the cause; 'uring' raises
     :class:`UringUnavailable` instead of falling back. ``depth``: at most this many ops in flight
-    (the rest wait their turn in submission order); None: as many as the backend takes.
+    (the rest wait their turn, reads before writes); None: as many as the backend takes.
     """
     if depth:
         workers = min(workers, depth)
