@@ -4,11 +4,14 @@ between their I/O and the end of their copy."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
-from aio import settle, task_group
+from aio import task_group
 from conftest import BOTH_BACKENDS, EngineFactory
+from faultfs import FaultState
 
 from uring_kv._io import UringBackend
 from uring_kv.testing import fill, id_caches, identify, store_identity
@@ -70,18 +73,23 @@ def test_io_depth_is_checked() -> None:
     assert Engine(caches, "/nonexistent/kv.bin", 4, 4).io_depth == 4
 
 
-async def test_under_a_depth_cap_reads_go_ahead_of_queued_writes(make_engine: EngineFactory,
+async def test_under_a_depth_cap_reads_go_ahead_of_queued_writes(fault_fs: tuple[Path, FaultState],
+                                                                 make_engine: EngineFactory,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Depth 1: a store's writes queue up behind the one in flight; a load called meanwhile has its
-    read submitted before writes that were queued ahead of it (loads are the latency-critical side).
-    Mutation tried: one FIFO backlog for both (the read waited for every write queued before it)."""
+    """Depth 1, slow writes: a store's writes queue up behind the one in flight; a load called
+    meanwhile has its read submitted before writes that were queued ahead of it (loads are the
+    latency-critical side). Mutation tried: one FIFO backlog for both (the read waited for every
+    write queued before it)."""
+    mountpoint, state = fault_fs
     seq: dict[int, int] = {}
+    kept: list[Any] = []  # numbered ops stay alive, so their ids are not reused
     jumped: list[bool] = []
     submit, flush = UringBackend.submit, UringBackend._flush
 
     def numbered_submit(self: UringBackend, ops: list[Any]) -> None:
         for op in ops:
-            seq[id(op)] = len(seq)
+            seq[id(op)] = len(kept)
+            kept.append(op)
         submit(self, ops)
 
     def watching_flush(self: UringBackend) -> None:
@@ -95,15 +103,21 @@ async def test_under_a_depth_cap_reads_go_ahead_of_queued_writes(make_engine: En
     monkeypatch.setattr(UringBackend, "submit", numbered_submit)
     monkeypatch.setattr(UringBackend, "_flush", watching_flush)
     caches = id_caches("cpu", blocks=24)
-    async with make_engine(caches, 16, num_slots=4, io_depth=1) as engine:
+    async with make_engine(caches, 16, num_slots=4, io_depth=1, path=mountpoint / "kv.bin") as engine:
         await store_identity(engine, caches, 8)
         for block in range(8):
             fill(caches, block, block, 2)
+        state.slow_down(0, 8 * engine.file.stride, 0.01, reads=False)
         async with task_group() as tasks:
             store = tasks.spawn(engine.store_batch, list(range(8)), list(range(8)))
-            await settle()  # its first writes are queued
+            for _ in range(1000):  # until its writes queue up behind the one in flight
+                if engine.io._backlog[1]:  # type: ignore[attr-defined]
+                    break
+                await anyio.sleep(0.001)
+            assert engine.io._backlog[1], "the store's writes never queued"  # type: ignore[attr-defined]
             await engine.load_batch([12], [12])  # never stored: reads zeros, which is fine here
             await store.join()
+        state.clear()
         await engine.load_batch(list(range(8)), list(range(16, 24)))
         assert [identify(caches, 16 + b) for b in range(8)] == [(b, 2, True) for b in range(8)]
     assert any(jumped), "no read was ever submitted ahead of a write queued before it"
