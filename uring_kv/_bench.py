@@ -53,7 +53,7 @@ class BenchConfig:
     warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
     gc_freeze: bool = True  # collect and freeze the heap before measuring (see _frozen_heap)
     slots: int = 32  # uring_kv's I/O depth and the ring ceiling's
-    spare_slots: int | None = None  # uring_kv's slots beyond that depth (None: slots // 4 on a GPU, else 0)
+    spare_slots: int = 0  # uring_kv's staging slots beyond that depth
     threads: int = 8
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
     device: str = "auto"
@@ -501,8 +501,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
         ("cold" if config.direct else "hot", config.direct)]
     for case, direct in cases:
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
-        spare = config.spare_slots if config.spare_slots is not None else (
-            config.slots // 4 if device.type == "cuda" else 0)
+        spare = config.spare_slots
         async with Engine(work.caches, path, work.num_disk_blocks, config.slots + spare,
                           direct=None if direct else False, checksum=config.checksum,
                           io_depth=config.slots) as engine:
