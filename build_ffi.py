@@ -124,7 +124,7 @@ int ukv_register_files(struct ukv_ring *r, const int *fds, unsigned n);
 int ukv_unregister_files(struct ukv_ring *r);
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 
-struct ukv_pump {  /* only what Python reads; ukv_pump_init fills in the rest */
+struct ukv_pump {  /* only what Python reads; ukv_pump_new fills in the rest */
     int id, stop;
     unsigned next, inflight, nreleased, nfailed;
     uint32_t *released;
@@ -140,6 +140,7 @@ void ukv_pump_free(struct ukv_pump *p);
 long ukv_check_blocks(const int64_t *v, unsigned n, int64_t limit, uint64_t *seen);
 void ukv_scale(const int64_t *v, unsigned n, uint64_t factor, uint64_t *out);
 #define UKV_MAX_PUMPS ...
+#define UKV_STAGED_MAX ...
 int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);
 int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,

@@ -20,6 +20,7 @@ from typing import Any
 from uring_kv._bridge import Bridge, Waitable
 from uring_kv._env import env_count
 from uring_kv._native import (
+    STAGED_MAX,
     BlockCopier,
     CudaEvent,
     cuda_copy_path,
@@ -147,10 +148,9 @@ class HostCopier:
 
 
 # The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
-# block's device staging slot and the tensor. UKV_STAGED_MAX and the struct match _native.c.
-STAGED_MAX = 8  # blocks per kernel launch
-_SCATTER_SOURCE = r"""
-#define UKV_STAGED_MAX 8
+# block's device staging slot and the tensor. UKV_STAGED_MAX is _native.c's (through cffi); the
+# struct matches _native.c's struct ukv_blocks.
+_SCATTER_SOURCE = f"\n#define UKV_STAGED_MAX {STAGED_MAX}" + r"""
 struct UkvBlocks { unsigned long long staging[UKV_STAGED_MAX]; long long gpu[UKV_STAGED_MAX]; };
 extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlocks b, int to_slot) {
     const unsigned long long base = table[3 * blockIdx.x], n = table[3 * blockIdx.x + 1],

@@ -643,7 +643,8 @@ int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
 /* The staged path: one copy per block between the host slot and its device staging slot (the
  * whole block, all tensors), and one scatter/gather kernel that moves every tensor's piece between
  * the device staging slot and the cache tensors. 1 + 1/nblocks driver calls per block instead of
- * one per tensor. Must match UKV_STAGED_MAX and struct UkvBlocks in _copy.py's kernel source. */
+ * one per tensor. _copy.py's kernel source takes UKV_STAGED_MAX from here (through cffi); its struct
+ * UkvBlocks must match struct ukv_blocks. */
 #define UKV_STAGED_MAX 8
 struct ukv_blocks { uint64_t staging[UKV_STAGED_MAX]; int64_t gpu[UKV_STAGED_MAX]; };
 

@@ -312,6 +312,10 @@ def cuda_copy_path(enable_batch: bool | None = None) -> str:
     return f"per-copy cuMemcpy*Async (batch call failed with CUresult {error})" if error else "per-copy cuMemcpy*Async"
 
 
+# Blocks one launch of the staged path's scatter kernel moves (_native.c and the kernel source agree).
+STAGED_MAX = int(_lib.UKV_STAGED_MAX)
+
+
 class BlockCopier:
     """Moves whole blocks between staging slots and every cache tensor, many blocks per C call.
 
