@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from uring_kv._bridge import Bridge
-from uring_kv._copy import STAGED_MAX, CudaCopier, HostCopier, HostEvent, staged_kernel_preparer
+from uring_kv._copy import CudaCopier, HostCopier, HostEvent, staged_kernel_preparer
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, UringBackend, open_backend
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
-from uring_kv._native import BlockCopier, NativePump, PumpsBusy, bitmap, block_array, check_blocks
+from uring_kv._native import STAGED_MAX, BlockCopier, NativePump, PumpsBusy, bitmap, block_array, check_blocks
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
 from uring_kv.metrics import DirectionMetrics
@@ -309,10 +309,10 @@ class Engine:
         staged = isinstance(self.copier, CudaCopier) and self.copier.staged
         self._copy_call_blocks = STAGED_MAX if staged else max(1, COPY_CALL_PIECES // len(self._tensors))
         # CPU mode on io_uring runs batches in native pumps when a block's copy may run on the loop
-        # (as inline copies do) and nothing per block needs Python (checksums, slowed copies).
+        # (as inline copies do), nothing per block needs Python (checksums, slowed copies) and the
+        # I/O depth is the slot count (a pump keeps an I/O in every slot it holds).
         self._pumped_batches = (isinstance(self.io, UringBackend) and isinstance(self.copier, HostCopier)
-                                and self.copier.inline_blocks >= 1 and not self.checksum
-                                and self.io_depth >= self.num_slots
+                                and self.copier.inline_blocks >= 1 and not self.checksum and not capped
                                 and os.environ.get("URING_KV_PUMP", "1") != "0")
         # Pumped loads of a buffered file read straight into the cache tensors (O_DIRECT would need
         # every piece aligned; IOV_MAX bounds the pieces of one read).
