@@ -175,6 +175,24 @@ int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream);
+
+struct ukv_copier;
+#define UKV_JOB_COPY 0
+#define UKV_JOB_MARK 1
+#define UKV_FAIL_ENQUEUE 1
+#define UKV_FAIL_WAIT 2
+int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                   const uint64_t *slot_offsets, uint64_t ctx, uint64_t func, uint64_t table, uint64_t used_bytes,
+                   uint64_t stream_h2d, uint64_t stream_d2h, int64_t delay_ns, struct ukv_copier **out);
+int ukv_copier_fd(struct ukv_copier *c);
+void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where);
+int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
+                   const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
+                   uint64_t event);
+unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
+                         int64_t *done_ns);
+void ukv_copier_stop(struct ukv_copier *c);
+void ukv_copier_free(struct ukv_copier *c);
 """
 
 SOURCE = (Path(__file__).resolve().parent / "uring_kv" / "_native.c").read_text()
@@ -193,7 +211,7 @@ def make_builder():  # type: ignore[no-untyped-def]
         define_macros=[("UKV_LIBURING_VERSION", f'"{version}"')] if version else [],
         include_dirs=[include_dir],
         extra_objects=[archive],
-        libraries=["dl"],
+        libraries=["dl", "pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
     )
     return builder

@@ -103,6 +103,8 @@ async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFacto
             assert engine.pool.held == 0, "a lease is still held after close"
             assert engine.io.inflight == 0, "an SQE is still in flight after close"
             assert engine.bridge.pending == 0, "a copy event is still pending after close"
+            copier = getattr(engine, "copier", None)  # absent when open() failed before it
+            assert copier is None or copier.pending == 0, "a native copy job is still pending after close"
             assert not engine.bridge.alive, "the bridge thread is still running"
             assert not os.path.exists(engine.path), "the block file was not removed"
     assert not loop_errors, f"a completion handler failed: {loop_errors}"

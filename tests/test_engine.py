@@ -20,6 +20,7 @@ from aio import gather, run_then_cancel, settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory, random_caches, reported_errors
 
 from uring_kv import BlockIOError, Engine
+from uring_kv._copy import HostCopier
 from uring_kv._staging import Kind, LeaseState
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
@@ -408,32 +409,44 @@ async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeyp
     assert engine.closed and not os.path.exists(engine.path)
 
 
-@pytest.mark.parametrize("inline_bytes", ["0", "262144"], ids=["thread-copy", "inline-copy"])
+_COPY_PATHS = {"thread-copy": ("0", "0"), "native-copy": ("0", "1"), "inline-copy": ("262144", "1")}
+
+
+@pytest.mark.parametrize("path", list(_COPY_PATHS))
 async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engine: EngineFactory,
                                                                       monkeypatch: pytest.MonkeyPatch,
-                                                                      inline_bytes: str) -> None:
+                                                                      path: str) -> None:
     """A copy the copier could not do (a CUDA error in GPU mode) must fail its blocks with EIO, not
     count them as moved; a store that failed that way leaves its disk block unreadable rather than
-    stale, whether the CPU-mode copy ran on its thread or inline. Mutation tried: ignoring the
-    copier's error (the load 'succeeded' with the old bytes). Native pumps are off here: their
-    copies are memcpy in C, which has no failure to inject."""
-    from uring_kv._native import BlockCopier
+    stale, whether the CPU-mode copy ran on the Python thread, the native copier's thread (its
+    fault injection) or inline. Mutation tried: ignoring the copier's error (the load 'succeeded'
+    with the old bytes). Native pumps are off here: their copies are memcpy in C, which has no
+    failure to inject."""
+    from uring_kv._native import FAIL_ENQUEUE, BlockCopier
 
+    inline_bytes, native = _COPY_PATHS[path]
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
+    monkeypatch.setenv("URING_KV_NATIVE_COPIER", native)
     monkeypatch.setenv("URING_KV_PUMP", "0")
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
         await store_identity(engine, caches, 4)
-        real_host = BlockCopier.host
-        failing = {"left": 1}
+        assert engine.copier.native == (path == "native-copy" or path == "inline-copy")
+        if path == "native-copy":
+            link = engine.copier._link
+            assert link is not None
+            link.jobs.fail_next(999, FAIL_ENQUEUE)  # CUDA_ERROR_UNKNOWN
+        else:
+            real_host = BlockCopier.host
+            failing = {"left": 1}
 
-        def flaky_host(self: BlockCopier, to_slot: bool, slot_addrs: Any, gpu_blocks: Any) -> None:
-            if to_slot and slot_addrs and failing["left"]:
-                failing["left"] -= 1
-                raise RuntimeError("injected copy failure")
-            real_host(self, to_slot, slot_addrs, gpu_blocks)
+            def flaky_host(self: BlockCopier, to_slot: bool, slot_addrs: Any, gpu_blocks: Any) -> None:
+                if to_slot and slot_addrs and failing["left"]:
+                    failing["left"] -= 1
+                    raise RuntimeError("injected copy failure")
+                real_host(self, to_slot, slot_addrs, gpu_blocks)
 
-        monkeypatch.setattr(BlockCopier, "host", flaky_host)
+            monkeypatch.setattr(BlockCopier, "host", flaky_host)
         fill(caches, 5, 2, 2)
         with reported_errors() as errors, pytest.raises(BlockIOError) as info:
             await engine.store_batch([5], [2])
@@ -446,29 +459,37 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
         assert engine.stats()["leases_held"] == 0
 
 
-async def test_a_copy_event_that_cannot_be_waited_on_fails_its_blocks(make_engine: EngineFactory,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python-bridge", "native-bridge"])
+async def test_a_copy_event_that_cannot_be_waited_on_fails_its_blocks(
+        make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, native: str) -> None:
     """The bridge's wait on a copy event raising (a broken CUDA context in GPU mode) must fail the
-    blocks with EIO, not kill the bridge thread and leave every later call waiting forever.
-    Mutation tried: letting the exception out of the bridge's wait (the load then hung until the
-    test timed out)."""
+    blocks with EIO, not kill the bridge thread and leave every later call waiting forever; the
+    native copier reports the same through its fault injection. Mutation tried: letting the
+    exception out of the bridge's wait (the load then hung until the test timed out)."""
     from uring_kv._copy import HostEvent
+    from uring_kv._native import FAIL_WAIT
 
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "0")  # every copy through the thread and bridge
+    monkeypatch.setenv("URING_KV_NATIVE_COPIER", native)
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
-        assert engine.copier.description == "host memcpy thread"
+        assert engine.copier.description == ("host memcpy native thread" if native == "1" else "host memcpy thread")
         await store_identity(engine, caches, 4)
-        real_sync = HostEvent.synchronize
-        broken = {"left": 1}
+        if native == "1":
+            link = engine.copier._link
+            assert link is not None
+            link.jobs.fail_next(999, FAIL_WAIT)
+        else:
+            real_sync = HostEvent.synchronize
+            broken = {"left": 1}
 
-        def failing_sync(self: HostEvent) -> None:
-            real_sync(self)  # the copy itself is done; only the wait reports an error
-            if broken["left"]:
-                broken["left"] -= 1
-                raise RuntimeError("injected event failure")
+            def failing_sync(self: HostEvent) -> None:
+                real_sync(self)  # the copy itself is done; only the wait reports an error
+                if broken["left"]:
+                    broken["left"] -= 1
+                    raise RuntimeError("injected event failure")
 
-        monkeypatch.setattr(HostEvent, "synchronize", failing_sync)
+            monkeypatch.setattr(HostEvent, "synchronize", failing_sync)
         with reported_errors() as errors, pytest.raises(BlockIOError) as info:
             await engine.load_batch([3], [5])
         assert info.value.failures == {3: 5}
@@ -502,7 +523,7 @@ async def test_small_cpu_copies_run_inline_and_large_ones_on_the_thread(
             assert per_block * 4 <= int(inline_bytes)  # every call (≤ 4 slots) fits inline
             assert through_bridge == 0, "small copies went through the thread"
     async with make_engine(id_caches("cpu", blocks=8), 8, num_slots=2, copy_delay=0.001) as slow:
-        assert slow.copier.description == "host memcpy thread"
+        assert isinstance(slow.copier, HostCopier) and slow.copier.inline_blocks == 0
 
 
 @pytest.mark.parametrize("value", ["-1", "lots"])

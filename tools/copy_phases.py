@@ -10,8 +10,9 @@ wrapped to stamp each block and each copy call:
 * mean reads (writes) in flight: the slots' time in the kernel over the run's time.
 
 The wrappers cost Python time on the loop, so the throughput printed here is below the bench's;
-the phases are what to compare. CPU caches work too (``--device cpu``, then the copy phases are
-empty: the host copier is not wrapped).
+the phases are what to compare. The stamps wrap the Python copy path (submit threads and bridge
+in Python), so this sets ``URING_KV_NATIVE_COPIER=0`` unless told otherwise. CPU caches work too
+(``--device cpu``, then the copy phases are empty: the host copier is not wrapped).
 
     python tools/copy_phases.py [--block-size 131072] [--slots 32] [--rounds 9] [--device cuda]
 """
@@ -37,6 +38,7 @@ from uring_kv import _engine as engine_module
 from uring_kv import _native as native_module
 from uring_kv._bench import RingCeiling
 
+os.environ.setdefault("URING_KV_NATIVE_COPIER", "0")  # read when an engine opens
 now = time.perf_counter
 blocks_seen: dict[int, dict[str, float]] = {}
 kept: list[Any] = []  # keeps stamped blocks alive, so their ids stay unique for the run

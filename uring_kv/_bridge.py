@@ -49,6 +49,11 @@ class Bridge:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def services(self) -> LoopServices:
+        """The loop's services (the native copier's eventfd is watched through them)."""
+        return self._svc
+
     def call_soon(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn(*args)`` on the loop in a later callback (from the loop thread)."""
         self._svc.call_soon(fn, *args)

@@ -17,11 +17,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from uring_kv._bridge import Bridge, Waitable
+from uring_kv._bridge import Bridge
 from uring_kv._env import env_count
 from uring_kv._native import (
+    FAIL_WAIT,
     STAGED_MAX,
     BlockCopier,
+    CopyJobs,
+    CudaError,
     CudaEvent,
     cuda_copy_path,
     cuda_current_context,
@@ -67,6 +70,73 @@ class _Marker:
 _CudaWork = tuple[CudaEvent, Sequence[int], Sequence[int]] | _Marker
 
 
+def native_copier_wanted() -> bool:
+    """``URING_KV_NATIVE_COPIER=0`` keeps the copy threads and the bridge in Python."""
+    return os.environ.get("URING_KV_NATIVE_COPIER", "1") != "0"
+
+
+class _NativeLink:
+    """The loop's side of the native copier (``CopyJobs``): each job's handler by token, and the
+    copier's eventfd watched by the loop; one reader callback runs the handlers of every job
+    finished since the last one. Handlers run in the order the jobs finished."""
+
+    def __init__(self, jobs: CopyJobs, bridge: Bridge) -> None:
+        self.jobs = jobs
+        self._bridge = bridge
+        self._svc = bridge.services
+        self._handlers: dict[int, Callable[[int, int], None]] = {}
+        self._next = 0
+        self._svc.add_reader(jobs.fd, self._collect)
+
+    @property
+    def pending(self) -> int:
+        return len(self._handlers)
+
+    def _token(self, handler: Callable[[int, int], None]) -> int:
+        token = self._next
+        self._next += 1
+        self._handlers[token] = handler
+        return token
+
+    def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
+             handler: Callable[[int, int], None], dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
+        token = self._token(handler)
+        try:
+            self.jobs.put(token, to_slot, slot_addrs, gpu_blocks, dev_slots, event)
+        except BaseException:
+            del self._handlers[token]
+            raise
+
+    def mark(self, to_slot: bool, handler: Callable[[int, int], None]) -> None:
+        token = self._token(handler)
+        try:
+            self.jobs.mark(token, to_slot)
+        except BaseException:
+            del self._handlers[token]
+            raise
+
+    def _collect(self) -> None:
+        now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
+        for token, rc, where, done_ns in self.jobs.done():
+            handler = self._handlers.pop(token)
+            self._bridge.delivery_ns.append(now - done_ns)
+            try:
+                handler(rc, where)
+            except Exception as exc:
+                self._svc.report("uring_kv copy completion handler failed", exc)
+
+    def close(self) -> None:
+        """Stop watching, then run what is queued and stop the threads (blocking)."""
+        self._svc.remove_reader(self.jobs.fd)
+        self.jobs.close()
+
+
+def _job_error(rc: int, where: int) -> BaseException | None:
+    if not rc:
+        return None
+    return CudaError(rc, "waiting for block copies" if where == FAIL_WAIT else "enqueueing block copies")
+
+
 # CPU mode: copy calls of at most this many bytes run inline on the loop (a memcpy of 1 MiB takes
 # tens of µs; handing it to the copier thread and back through the bridge costs more than that).
 HOST_INLINE_BYTES = 1 << 20
@@ -77,10 +147,12 @@ class HostCopier:
     submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
 
     ``inline_bytes`` (default ``$URING_KV_HOST_INLINE_BYTES`` or 1 MiB; 0 = never): the largest
-    call done inline. A ``delay`` (tests widening race windows) sends every call to the thread."""
+    call done inline. A ``delay`` (tests widening race windows) sends every call to the thread.
+    ``native`` (default: ``native_copier_wanted()``): the worker is the native copier's C thread,
+    whose completions reach the loop through its eventfd, instead of a Python thread and the bridge."""
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, delay: float = 0.0,
-                 inline_bytes: int | None = None) -> None:
+                 inline_bytes: int | None = None, native: bool | None = None) -> None:
         self._blocks = blocks
         self._bridge = bridge
         self.delay = delay
@@ -91,10 +163,27 @@ class HostCopier:
         # How many blocks one inline call may hold (0: none).
         self._inline_blocks = 0 if delay else inline_bytes // max(1, blocks.bytes_per_block)
         self._queue: queue.SimpleQueue[tuple[bool, list[int], list[int], HostEvent] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="uring-kv-host-copier", daemon=True)
-        self._thread.start()
-        self.description = ("host memcpy thread" if not self._inline_blocks else
-                            f"host memcpy (inline up to {inline_bytes >> 10} KiB per call, else a thread)")
+        self._link: _NativeLink | None = None
+        self._in_thread = {False: 0, True: 0}  # copies handed to the native thread, not yet back
+        self._thread: threading.Thread | None = None
+        if native_copier_wanted() if native is None else native:
+            self._link = _NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge)
+        else:
+            self._thread = threading.Thread(target=self._run, name="uring-kv-host-copier", daemon=True)
+            self._thread.start()
+        thread = "native thread" if self._link is not None else "thread"
+        self.description = (f"host memcpy {thread}" if not self._inline_blocks else
+                            f"host memcpy (inline up to {inline_bytes >> 10} KiB per call, else a {thread})")
+
+    @property
+    def native(self) -> bool:
+        """The copies off the loop run on the native copier's thread."""
+        return self._link is not None
+
+    @property
+    def pending(self) -> int:
+        """Copies handed to the native copier whose handlers have not run yet."""
+        return self._link.pending if self._link is not None else 0
 
     @property
     def inline_blocks(self) -> int:
@@ -105,28 +194,44 @@ class HostCopier:
         """CPU mode has nothing to order against."""
 
     def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
-             on_done: Callable[[BaseException | None], None]) -> Waitable:
+             on_done: Callable[[BaseException | None], None]) -> None:
         """Enqueue the copies; ``on_done(error)`` runs on the loop once they are done (error None)."""
-        event = HostEvent()
         if len(slot_addrs) <= self._inline_blocks:
+            error: BaseException | None = None
             try:
                 self._blocks.host(to_slot, slot_addrs, gpu_blocks)
             except Exception as exc:  # delivered to the engine like a failed thread copy
-                event.error = exc
-            event.set()
-            self._bridge.call_soon(on_done, event.error)  # never re-entrant: the caller is mid-update
-            return event
+                error = exc
+            self._bridge.call_soon(on_done, error)  # never re-entrant: the caller is mid-update
+            return
+        if self._link is not None:
+            self._in_thread[to_slot] += 1
+            self._link.copy(to_slot, slot_addrs, gpu_blocks, functools.partial(self._job_done, to_slot, on_done))
+            return
+        event = HostEvent()
         self._queue.put((to_slot, list(slot_addrs), list(gpu_blocks), event))
         self._bridge.watch(event, functools.partial(self._fired, event, on_done))
-        return event
 
     @staticmethod
     def _fired(event: HostEvent, on_done: Callable[[BaseException | None], None]) -> None:
         on_done(event.error)
 
+    def _job_done(self, to_slot: bool, on_done: Callable[[BaseException | None], None], rc: int, where: int) -> None:
+        self._in_thread[to_slot] -= 1
+        on_done(_job_error(rc, where))
+
     def marker(self, to_slot: bool, then: Callable[[Any], None]) -> None:
         """``then(event)`` runs on the loop; ``event`` is set once every copy enqueued so far is done."""
         event = HostEvent()
+        if self._link is not None:
+            # The native thread copies in order: past the marker, every earlier copy is done. With
+            # none of this direction's copies there, every copy so far is done already (inline).
+            event.set()
+            if self._in_thread[to_slot]:
+                self._link.mark(to_slot, lambda _rc, _where: then(event))
+            else:
+                self._bridge.call_soon(then, event)
+            return
         self._queue.put((to_slot, [], [], event))  # the thread copies in order: a no-op copy marks the point
         self._bridge.call_soon_threadsafe(then, event)
 
@@ -143,8 +248,11 @@ class HostCopier:
                 event.set()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        if self._link is not None:
+            self._link.close()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
 
 
 # The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
@@ -257,7 +365,8 @@ class CudaCopier:
     """
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, delay: float = 0.0,
-                 lanes: int | None = None, staging: tuple[int, int, int, int] | None = None) -> None:
+                 lanes: int | None = None, staging: tuple[int, int, int, int] | None = None,
+                 native: bool | None = None) -> None:
         import torch
 
         if not load_cuda_driver():
@@ -285,6 +394,12 @@ class CudaCopier:
         count = lanes if lanes is not None else int(os.environ.get("URING_KV_COPY_LANES", default))
         if count < 1:
             raise ValueError(f"copy lanes must be >= 1, got {count}")
+        # The native copier (C submit threads and bridge) takes staged copies; a delay (tests: a
+        # slowed GPU) needs torch's sleep kernel, so those keep the Python lanes.
+        use_native = (native_copier_wanted() if native is None else native) and self._staging is not None \
+            and not delay
+        if use_native:
+            count = 1
         self._lanes: dict[bool, list[_Lane]] = {}
         with torch.cuda.device(device):
             low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
@@ -296,8 +411,26 @@ class CudaCopier:
         self._next = {False: 0, True: 0}
         self._free: list[CudaEvent] = []
         self._events: list[CudaEvent] = []
+        self._link: _NativeLink | None = None
+        if use_native:
+            staging_ = self._staging
+            assert staging_ is not None
+            jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
+                                     self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream))
+            self._link = _NativeLink(jobs, bridge)
+            return
         for lane in self._all_lanes():
             lane.thread.start()
+
+    @property
+    def native(self) -> bool:
+        """Copies are enqueued and waited for by the native copier's C threads."""
+        return self._link is not None
+
+    @property
+    def pending(self) -> int:
+        """Copies handed to the native copier whose handlers have not run yet."""
+        return self._link.pending if self._link is not None else 0
 
     def _all_lanes(self) -> list[_Lane]:
         return self._lanes[False] + self._lanes[True]
@@ -308,19 +441,28 @@ class CudaCopier:
             lane.stream.wait_event(event)
 
     def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
-             on_done: Callable[[BaseException | None], None]) -> Waitable:
+             on_done: Callable[[BaseException | None], None]) -> None:
         if self._free:
             event = self._free.pop()
         else:
             event = CudaEvent(self._ctx)
             self._events.append(event)
+        if self._link is not None:
+            assert self._staging is not None
+            self._link.copy(to_slot, slot_addrs, gpu_blocks, functools.partial(self._job_done, event, on_done),
+                            self._staging.dev_slots(slot_addrs), event.handle)
+            return
         event.arm()
         lanes = self._lanes[to_slot]
         index = self._next[to_slot]
         self._next[to_slot] = (index + 1) % len(lanes)
         lanes[index].queue.put((event, slot_addrs, gpu_blocks))
         self._bridge.watch(event, functools.partial(self._fired, event, on_done))
-        return event
+
+    def _job_done(self, event: CudaEvent, on_done: Callable[[BaseException | None], None], rc: int,
+                  where: int) -> None:
+        self._free.append(event)  # the native bridge saw it fire (or it failed): nobody holds it
+        on_done(_job_error(rc, where))
 
     def _submit_loop(self, lane: _Lane) -> None:
         stream, to_slot = lane.stream, lane.to_slot
@@ -356,9 +498,20 @@ class CudaCopier:
         """``then(event)`` runs on the loop once every copy enqueued so far in this direction is in
         its stream: ``event`` is a torch.cuda.Event that fires after all of them (the caller's
         handle). Each lane records its part; the last one joins them on the marker stream."""
+        if self._link is not None:
+            stream = self._lanes[to_slot][0].stream
+            self._link.mark(to_slot, lambda _rc, _where: then(self._record(stream)))
+            return
         marker = _Marker(then, len(self._lanes[to_slot]))
         for lane in self._lanes[to_slot]:
             lane.queue.put(marker)
+
+    def _record(self, stream: Any) -> Any:
+        """A torch event recorded now on ``stream``: after every copy enqueued on it so far."""
+        event = self._torch.cuda.Event()
+        with self._torch.cuda.device(self.device):
+            event.record(stream)
+        return event
 
     def _mark(self, marker: _Marker, stream: Any, to_slot: bool) -> None:
         part = self._torch.cuda.Event()
@@ -384,13 +537,16 @@ class CudaCopier:
     @property
     def description(self) -> str:
         if self._staging is not None:
-            return "staged: one copy per block + scatter kernel"
+            return "staged: one copy per block + scatter kernel" + (", native copier" if self._link else "")
         return cuda_copy_path() + (f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
 
     def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
         for lane in self._all_lanes():
-            lane.queue.put(None)
-            lane.thread.join()
+            if lane.thread.is_alive():
+                lane.queue.put(None)
+                lane.thread.join()
         for lane in self._all_lanes():
             lane.stream.synchronize()
         for stream in self._marker_streams.values():

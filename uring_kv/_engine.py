@@ -360,7 +360,7 @@ class Engine:
         for batch in list(self._active):
             await self._svc.wait_through_cancellation(batch.done)
         await self.io.drain()
-        while self.bridge.pending:
+        while self.bridge.pending or self.copier.pending:
             await self._svc.sleep(0.001)
         self._release()
 
@@ -382,7 +382,7 @@ class Engine:
         is_open = hasattr(self, "pool") and self._state != "closed"
         return {"leases_held": self.pool.held if is_open else 0,
                 "io_inflight": self.io.inflight if is_open else 0,
-                "copies_pending": self.bridge.pending if is_open else 0,
+                "copies_pending": self.bridge.pending + self.copier.pending if is_open else 0,
                 "oldest_lease_age_s": self.pool.oldest_age() if is_open else 0.0}
 
     def metrics(self) -> dict[str, Any]:

@@ -18,6 +18,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <pthread.h>
+#include <sys/eventfd.h>
+
 #include <liburing.h>
 
 #ifndef IO_URING_VERSION_MAJOR /* liburing before 2.4 has no version macros */
@@ -508,6 +511,7 @@ static event_record_fn p_event_record;
 static launch_fn p_launch;
 static ctx_get_fn p_ctx_get;
 static ctx_set_fn p_ctx_set;
+static event_fn p_stream_sync; /* cuStreamSynchronize: CUstream is a pointer, passed as uint64_t */
 static memcpy_htod_fn p_htod;
 static memcpy_dtoh_fn p_dtoh;
 static batch_v2_fn p_batch_v2;
@@ -532,6 +536,7 @@ int ukv_cuda_load(void) {
     p_launch = (launch_fn)dlsym(lib, "cuLaunchKernel");
     p_ctx_get = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
     p_ctx_set = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
+    p_stream_sync = (event_fn)dlsym(lib, "cuStreamSynchronize");
     int events = p_event_create && p_event_destroy && p_event_sync && p_event_query && p_event_record &&
                  p_ctx_get && p_ctx_set;
     return p_htod && p_dtoh && events ? 0 : -ENOSYS;
@@ -674,4 +679,286 @@ int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned n
     }
     if (!rc) rc = p_event_record(done_event, s);
     return rc;
+}
+
+/* The native copier: the copy path's threads without Python. Per direction one submit thread takes
+ * copy jobs from its queue and runs them (the staged CUDA copies and their event record, or host
+ * memcpys in CPU mode); in CUDA mode one bridge thread waits for the oldest recorded event (the
+ * events are BLOCKING_SYNC: it sleeps in the driver), sweeps the other fired ones, and moves them
+ * to the done list. A job joins the done list when its copies are finished (or failed); the first
+ * one to join an empty list writes the eventfd the loop watches, and the loop takes the whole list
+ * with ukv_copier_done. No thread here ever takes the GIL, and every thread sleeps when idle.
+ * Markers pass through a submit queue without work: done once every earlier job of that direction
+ * has been enqueued on its stream (CUDA) or copied (host). */
+enum { UKV_JOB_COPY = 0, UKV_JOB_MARK = 1 };
+enum { UKV_FAIL_ENQUEUE = 1, UKV_FAIL_WAIT = 2 };
+
+struct ukv_job {
+    struct ukv_job *next;
+    uint64_t token, event;
+    int64_t done_ns;
+    int32_t kind, to_slot, rc, where;
+    unsigned n;
+    uint64_t *slot_addrs, *dev_slots;
+    int64_t *gpu_blocks;
+    uint64_t data[];
+};
+
+struct ukv_fifo { struct ukv_job *head, *tail; };
+
+static void fifo_push(struct ukv_fifo *f, struct ukv_job *j) {
+    j->next = NULL;
+    if (f->tail) f->tail->next = j; else f->head = j;
+    f->tail = j;
+}
+
+static struct ukv_job *fifo_pop(struct ukv_fifo *f) {
+    struct ukv_job *j = f->head;
+    if (j && !(f->head = j->next)) f->tail = NULL;
+    return j;
+}
+
+struct ukv_copier;
+struct ukv_lane { struct ukv_copier *c; int to_slot; };
+
+struct ukv_copier {
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv[2], bridge_cv;
+    struct ukv_fifo work[2], pending, done;
+    struct ukv_lane lanes[2];
+    pthread_t submit[2], bridge;
+    int started, stop_submit, stop_bridge, efd, cuda;
+    int64_t delay_ns;
+    int32_t fail_rc, fail_where; /* fault injection: the next copy job fails so */
+    uint64_t ctx, func, table, used_bytes, streams[2];
+    unsigned ntensors;
+    uint64_t *bases, *block_bytes, *slot_offsets; /* point into tables[] */
+    uint64_t tables[];
+};
+
+/* Called with the mutex held: the job's copies are over; 1 if the loop must be woken. */
+static int finish(struct ukv_copier *c, struct ukv_job *j) {
+    int wake = c->done.head == NULL;
+    j->done_ns = now_ns();
+    fifo_push(&c->done, j);
+    return wake;
+}
+
+static void wake_loop(struct ukv_copier *c) {
+    uint64_t one = 1;
+    ssize_t w;
+    do w = write(c->efd, &one, sizeof one); while (w < 0 && errno == EINTR);
+}
+
+static void run_job(struct ukv_copier *c, struct ukv_job *j) {
+    if (j->kind != UKV_JOB_COPY) return;
+    if (c->delay_ns > 0) {
+        struct timespec ts = {c->delay_ns / 1000000000LL, c->delay_ns % 1000000000LL};
+        while (nanosleep(&ts, &ts) && errno == EINTR) {}
+    }
+    if (!c->cuda) {
+        ukv_host_copy(c->ntensors, c->bases, c->block_bytes, c->slot_offsets, j->to_slot, j->n, j->slot_addrs,
+                      j->gpu_blocks);
+        return;
+    }
+    uint64_t stream = c->streams[j->to_slot];
+    j->rc = ukv_cuda_copy_staged(c->ctx, c->func, c->table, c->ntensors, c->used_bytes, j->to_slot, j->n,
+                                 j->slot_addrs, j->dev_slots, j->gpu_blocks, stream, j->event);
+    if (j->rc) { /* some copies may be on the stream: they must be over before the slots move on */
+        j->where = UKV_FAIL_ENQUEUE;
+        if (p_stream_sync) p_stream_sync(stream);
+    }
+}
+
+static void *submit_main(void *arg) {
+    struct ukv_lane *lane = arg;
+    struct ukv_copier *c = lane->c;
+    pthread_setname_np(pthread_self(), lane->to_slot ? "ukv-copy-d2h" : "ukv-copy-h2d");
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        struct ukv_job *j;
+        while (!(j = fifo_pop(&c->work[lane->to_slot])) && !c->stop_submit)
+            pthread_cond_wait(&c->work_cv[lane->to_slot], &c->mu);
+        if (!j) break;
+        int32_t fail_rc = 0, fail_where = 0;
+        if (j->kind == UKV_JOB_COPY && c->fail_rc) {
+            fail_rc = c->fail_rc; fail_where = c->fail_where;
+            c->fail_rc = 0;
+        }
+        pthread_mutex_unlock(&c->mu);
+        run_job(c, j);
+        pthread_mutex_lock(&c->mu);
+        if (fail_rc && !j->rc) { j->rc = fail_rc; j->where = fail_where; }
+        if (c->cuda && j->kind == UKV_JOB_COPY && !j->rc) {
+            fifo_push(&c->pending, j);
+            pthread_cond_signal(&c->bridge_cv);
+        } else if (finish(c, j)) {
+            wake_loop(c);
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static void *bridge_main(void *arg) {
+    struct ukv_copier *c = arg;
+    pthread_setname_np(pthread_self(), "ukv-bridge");
+    int rc = use_ctx(c->ctx);
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->pending.head && !c->stop_bridge) pthread_cond_wait(&c->bridge_cv, &c->mu);
+        struct ukv_job *head = c->pending.head;
+        if (!head) break;
+        pthread_mutex_unlock(&c->mu);
+        int wait_rc = rc ? rc : p_event_sync(head->event); /* only this thread removes from pending */
+        pthread_mutex_lock(&c->mu);
+        fifo_pop(&c->pending);
+        if (wait_rc) { head->rc = wait_rc; head->where = UKV_FAIL_WAIT; }
+        int wake = finish(c, head);
+        /* Every other job whose event has fired goes too; the rest keep their order. */
+        struct ukv_fifo kept = {NULL, NULL};
+        struct ukv_job *j;
+        while ((j = fifo_pop(&c->pending))) {
+            int q = p_event_query(j->event);
+            if (q == 600) { fifo_push(&kept, j); continue; } /* CUDA_ERROR_NOT_READY */
+            if (q) { j->rc = q; j->where = UKV_FAIL_WAIT; }
+            wake |= finish(c, j);
+        }
+        c->pending = kept;
+        if (wake) wake_loop(c);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+void ukv_copier_free(struct ukv_copier *c);
+
+/* cuda: 0 = host memcpys (ctx, func, table, used_bytes and streams unused). Returns 0 or -errno. */
+int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
+                   const uint64_t *slot_offsets, uint64_t ctx, uint64_t func, uint64_t table, uint64_t used_bytes,
+                   uint64_t stream_h2d, uint64_t stream_d2h, int64_t delay_ns, struct ukv_copier **out) {
+    if (cuda && (!p_launch || !p_event_sync || !p_event_query)) return -ENOSYS;
+    struct ukv_copier *c = calloc(1, sizeof *c + 3 * (size_t)ntensors * sizeof(uint64_t));
+    if (!c) return -ENOMEM;
+    c->bases = c->tables;
+    c->block_bytes = c->tables + ntensors;
+    c->slot_offsets = c->tables + 2 * (size_t)ntensors;
+    memcpy(c->bases, bases, ntensors * sizeof(uint64_t));
+    memcpy(c->block_bytes, block_bytes, ntensors * sizeof(uint64_t));
+    memcpy(c->slot_offsets, slot_offsets, ntensors * sizeof(uint64_t));
+    c->ntensors = ntensors;
+    c->cuda = cuda;
+    c->ctx = ctx; c->func = func; c->table = table; c->used_bytes = used_bytes;
+    c->streams[0] = stream_h2d; c->streams[1] = stream_d2h;
+    c->delay_ns = delay_ns;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->work_cv[0], NULL);
+    pthread_cond_init(&c->work_cv[1], NULL);
+    pthread_cond_init(&c->bridge_cv, NULL);
+    c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (c->efd < 0) { int e = -errno; ukv_copier_free(c); return e; }
+    for (int d = 0; d < 2; d++) {
+        c->lanes[d].c = c;
+        c->lanes[d].to_slot = d;
+        int e = pthread_create(&c->submit[d], NULL, submit_main, &c->lanes[d]);
+        if (e) { ukv_copier_free(c); return -e; }
+        c->started |= 1 << d;
+    }
+    if (cuda) {
+        int e = pthread_create(&c->bridge, NULL, bridge_main, c);
+        if (e) { ukv_copier_free(c); return -e; }
+        c->started |= 4;
+    }
+    *out = c;
+    return 0;
+}
+
+int ukv_copier_fd(struct ukv_copier *c) { return c->efd; }
+
+/* Fault injection for tests: the next copy job is done as usual, then reported failed with `rc`. */
+void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where) {
+    pthread_mutex_lock(&c->mu);
+    c->fail_rc = rc; c->fail_where = where;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Queue a job (kind UKV_JOB_COPY with n blocks, or UKV_JOB_MARK with none). 0, -ENOMEM, or -EPIPE
+ * once the copier is stopping. */
+int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
+                   const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
+                   uint64_t event) {
+    struct ukv_job *j = malloc(sizeof *j + 3 * (size_t)n * sizeof(uint64_t));
+    if (!j) return -ENOMEM;
+    memset(j, 0, sizeof *j);
+    j->token = token; j->kind = kind; j->to_slot = !!to_slot; j->n = n; j->event = event;
+    j->slot_addrs = j->data;
+    j->dev_slots = j->data + n;
+    j->gpu_blocks = (int64_t *)(j->data + 2 * (size_t)n);
+    if (n) {
+        memcpy(j->slot_addrs, slot_addrs, n * sizeof(uint64_t));
+        if (dev_slots) memcpy(j->dev_slots, dev_slots, n * sizeof(uint64_t));
+        memcpy(j->gpu_blocks, gpu_blocks, n * sizeof(int64_t));
+    }
+    pthread_mutex_lock(&c->mu);
+    int stopping = c->stop_submit;
+    if (!stopping) {
+        fifo_push(&c->work[j->to_slot], j);
+        pthread_cond_signal(&c->work_cv[j->to_slot]);
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (stopping) { free(j); return -EPIPE; }
+    return 0;
+}
+
+/* Take up to `max` finished jobs, oldest first: token, result (0 or a CUresult), where it failed
+ * (UKV_FAIL_*), and when it was seen finished (CLOCK_MONOTONIC ns). Clears the eventfd first, so a
+ * job finished after this call wakes the loop again. */
+unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
+                         int64_t *done_ns) {
+    uint64_t count;
+    while (read(c->efd, &count, sizeof count) < 0 && errno == EINTR) {}
+    unsigned k = 0;
+    pthread_mutex_lock(&c->mu);
+    struct ukv_job *j;
+    while (k < max && (j = fifo_pop(&c->done))) {
+        tokens[k] = j->token; rcs[k] = j->rc; wheres[k] = j->where; done_ns[k] = j->done_ns;
+        k++;
+        free(j);
+    }
+    if (c->done.head) wake_loop(c); /* more than max: the loop comes back for the rest */
+    pthread_mutex_unlock(&c->mu);
+    return k;
+}
+
+/* Runs every queued job, waits for every recorded event, then stops the threads (blocking). */
+void ukv_copier_stop(struct ukv_copier *c) {
+    pthread_mutex_lock(&c->mu);
+    c->stop_submit = 1;
+    pthread_cond_broadcast(&c->work_cv[0]);
+    pthread_cond_broadcast(&c->work_cv[1]);
+    pthread_mutex_unlock(&c->mu);
+    for (int d = 0; d < 2; d++)
+        if (c->started & (1 << d)) pthread_join(c->submit[d], NULL);
+    pthread_mutex_lock(&c->mu);
+    c->stop_bridge = 1;
+    pthread_cond_broadcast(&c->bridge_cv);
+    pthread_mutex_unlock(&c->mu);
+    if (c->started & 4) pthread_join(c->bridge, NULL);
+    c->started = 0;
+}
+
+void ukv_copier_free(struct ukv_copier *c) {
+    if (!c) return;
+    ukv_copier_stop(c);
+    struct ukv_fifo *lists[] = {&c->work[0], &c->work[1], &c->pending, &c->done};
+    for (unsigned i = 0; i < sizeof lists / sizeof *lists; i++) {
+        struct ukv_job *j;
+        while ((j = fifo_pop(lists[i]))) free(j);
+    }
+    if (c->efd >= 0) close(c->efd);
+    pthread_cond_destroy(&c->work_cv[0]);
+    pthread_cond_destroy(&c->work_cv[1]);
+    pthread_cond_destroy(&c->bridge_cv);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
 }

@@ -442,3 +442,73 @@ class CudaEvent:
         if self.handle:
             _lib.ukv_cuda_event_free(self.ctx, self.handle)
             self.handle = 0
+
+
+class CopyJobs:
+    """The native copier (``_native.c``): one submit thread per direction running copy jobs, and in
+    CUDA mode a bridge thread waiting for their events, all in C. Finished jobs are collected on
+    the loop with :meth:`done` when :attr:`fd` (an eventfd) is readable.
+
+    ``cuda`` is ``(ctx, kernel function, tensor table, used bytes, h2d stream, d2h stream)`` for
+    staged CUDA copies, or None for host memcpys. ``delay_ns`` holds every copy back (tests)."""
+
+    BATCH = 256
+
+    def __init__(self, blocks: BlockCopier, cuda: tuple[int, int, int, int, int, int] | None,
+                 delay_ns: int = 0) -> None:
+        out = ffi.new("struct ukv_copier **")
+        n, bases, block_bytes, slot_offsets = blocks.c_table()
+        ctx, func, table, used, h2d, d2h = cuda if cuda is not None else (0, 0, 0, 0, 0, 0)
+        rc = _lib.ukv_copier_new(int(cuda is not None), n, bases, block_bytes, slot_offsets, ctx, func, table,
+                                 used, h2d, d2h, delay_ns, out)
+        if rc:
+            raise OSError(-rc, f"starting the native copier: {os.strerror(-rc)}")
+        self._c: Any = out[0]
+        self.fd = int(_lib.ukv_copier_fd(self._c))
+        self._tokens = ffi.new("uint64_t[]", self.BATCH)
+        self._rcs = ffi.new("int32_t[]", self.BATCH)
+        self._wheres = ffi.new("int32_t[]", self.BATCH)
+        self._done_ns = ffi.new("int64_t[]", self.BATCH)
+
+    def put(self, token: int, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
+            dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
+        """Queue a copy of these blocks (``event`` recorded after it, CUDA mode)."""
+        self._check_open()
+        rc = _lib.ukv_copier_put(self._c, token, _lib.UKV_JOB_COPY, int(to_slot), len(slot_addrs),
+                                 ffi.new("uint64_t[]", slot_addrs),
+                                 ffi.new("uint64_t[]", dev_slots) if dev_slots is not None else ffi.NULL,
+                                 ffi.new("int64_t[]", gpu_blocks), event)
+        if rc:
+            raise OSError(-rc, f"queueing a copy: {os.strerror(-rc)}")
+
+    def mark(self, token: int, to_slot: bool) -> None:
+        """Queue a marker: done once every copy queued before it in this direction is enqueued
+        on its stream (CUDA) or finished (host)."""
+        self._check_open()
+        rc = _lib.ukv_copier_put(self._c, token, _lib.UKV_JOB_MARK, int(to_slot), 0, ffi.NULL, ffi.NULL, ffi.NULL, 0)
+        if rc:
+            raise OSError(-rc, f"queueing a marker: {os.strerror(-rc)}")
+
+    def _check_open(self) -> None:
+        if self._c is None:
+            raise RuntimeError("uring_kv: the native copier is closed")
+
+    def fail_next(self, rc: int, where: int) -> None:
+        """Fault injection (tests): the next copy job runs, then is reported failed with ``rc``."""
+        _lib.ukv_copier_fail_next(self._c, rc, where)
+
+    def done(self) -> list[tuple[int, int, int, int]]:
+        """Finished jobs, oldest first: (token, CUresult or 0, where it failed, CLOCK_MONOTONIC ns)."""
+        n = _lib.ukv_copier_done(self._c, self.BATCH, self._tokens, self._rcs, self._wheres, self._done_ns)
+        return [(int(self._tokens[i]), int(self._rcs[i]), int(self._wheres[i]), int(self._done_ns[i]))
+                for i in range(n)]
+
+    def close(self) -> None:
+        """Run what is queued, wait for every recorded event, stop the threads, free (blocking)."""
+        if self._c is not None:
+            _lib.ukv_copier_free(self._c)
+            self._c = None
+
+
+FAIL_ENQUEUE = int(_lib.UKV_FAIL_ENQUEUE)
+FAIL_WAIT = int(_lib.UKV_FAIL_WAIT)
