@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from uring_kv._bench import BenchConfig, Workload
+from uring_kv._bench import BenchConfig, Workload, spare_slots
 from uring_kv.cli import main
 
 
@@ -55,6 +55,15 @@ def test_bench_refuses_bad_counts(flag: list[str], capsys: pytest.CaptureFixture
         main(["bench", *flag])
     assert info.value.code == 2
     assert "must be >=" in capsys.readouterr().err
+
+
+def test_spare_slots_default_to_half_the_depth_on_a_gpu_and_none_on_the_cpu() -> None:
+    """GPU mode hides each slot's copy turnaround behind spare slots; CPU mode keeps its pumps,
+    which need the depth to be the slot count. An explicit count always wins."""
+    assert spare_slots(BenchConfig(slots=32), torch.device("cuda")) == 16
+    assert spare_slots(BenchConfig(slots=32), torch.device("cpu")) == 0
+    assert spare_slots(BenchConfig(slots=32, spare_slots=0), torch.device("cuda")) == 0
+    assert spare_slots(BenchConfig(slots=8, spare_slots=3), torch.device("cpu")) == 3
 
 
 def test_the_heap_is_frozen_only_while_measuring() -> None:

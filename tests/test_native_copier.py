@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import select
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,9 @@ class Rig:
 
 
 @pytest.fixture
-def rig() -> Rig:
+def rig() -> Iterator[Rig]:
     made = Rig()
-    yield made  # type: ignore[misc]
+    yield made
     made.close()
 
 

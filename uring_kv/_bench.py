@@ -53,7 +53,7 @@ class BenchConfig:
     warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
     gc_freeze: bool = True  # collect and freeze the heap before measuring (see _frozen_heap)
     slots: int = 32  # uring_kv's I/O depth and the ring ceiling's
-    spare_slots: int = 0  # uring_kv's staging slots beyond that depth
+    spare_slots: int | None = None  # uring_kv's staging slots beyond that depth (None: slots // 2 on a GPU, else 0)
     threads: int = 8
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
     device: str = "auto"
@@ -501,7 +501,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
         ("cold" if config.direct else "hot", config.direct)]
     for case, direct in cases:
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
-        spare = config.spare_slots
+        spare = spare_slots(config, device)
         async with Engine(work.caches, path, work.num_disk_blocks, config.slots + spare,
                           direct=None if direct else False, checksum=config.checksum,
                           io_depth=config.slots) as engine:
@@ -603,6 +603,16 @@ def _ratios(rows: list[Row]) -> None:
         for other in rows:
             if other.method == "pcie ceiling" and other.op == row.op:
                 row.ratios["pcie ceiling"] = row.gbps / other.gbps
+
+
+def spare_slots(config: BenchConfig, device: torch.device) -> int:
+    """uring_kv's slots beyond the I/O depth: half the depth again on a GPU by default, where each
+    slot spends a copy turnaround between its read and the next (benchmarks.md: 0.80× of the ring
+    ceiling at 128 KiB without, 0.91–0.95× with 16 on the H200); none in CPU mode, whose native
+    pumps need the depth to be the slot count and have no turnaround to hide."""
+    if config.spare_slots is not None:
+        return config.spare_slots
+    return config.slots // 2 if device.type == "cuda" else 0
 
 
 async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
