@@ -183,7 +183,8 @@ struct ukv_copier;
 #define UKV_FAIL_WAIT 2
 int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                    const uint64_t *slot_offsets, uint64_t ctx, uint64_t func, uint64_t table, uint64_t used_bytes,
-                   uint64_t stream_h2d, uint64_t stream_d2h, int64_t delay_ns, struct ukv_copier **out);
+                   uint64_t stream_h2d, uint64_t stream_d2h, int64_t delay, uint64_t spin_func,
+                   struct ukv_copier **out);
 int ukv_copier_fd(struct ukv_copier *c);
 void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where);
 int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,

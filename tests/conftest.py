@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import platform
+import random
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import uring_kv
 from uring_kv import Engine
 from uring_kv._io import IOBackend, open_backend
 from uring_kv._native import LIBURING_VERSION
+from uring_kv.testing import fill, identify
 
 # "auto" runs with io_uring_setup failing with EPERM (as under Docker's default seccomp): the
 # engine must fall back to the thread pool, warn once, and pass the whole suite.
@@ -177,3 +179,44 @@ def fault_fs(tmp_path: Path) -> Iterator[tuple[Path, FaultState]]:
             yield mountpoint, state
     except RuntimeError as exc:
         pytest.skip(str(exc))
+
+async def seed_race(engine: Engine, caches: dict[str, torch.Tensor], calls: int) -> int:
+    """Store 32 identified blocks, then back-to-back small load_batch calls; count wrong blocks."""
+    for disk_block in range(32):
+        fill(caches, disk_block % 8, disk_block, 1)
+        if disk_block % 8 == 7:
+            await engine.store_batch(list(range(8)), list(range(disk_block - 7, disk_block + 1)))
+    rng = random.Random(7)
+    wrong = 0
+    for _ in range(calls):
+        disk_blocks = rng.sample(range(32), 4)
+        gpu_blocks = rng.sample(range(8), 4)
+        await engine.load_batch(disk_blocks, gpu_blocks)
+        for disk_block, gpu_block in zip(disk_blocks, gpu_blocks, strict=True):
+            found, version, intact = identify(caches, gpu_block)
+            wrong += (found, version, intact) != (disk_block, 1, True)
+    return wrong
+
+
+def release_on_submit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug the seed race exists for: a load's slot freed as soon as its copy is enqueued."""
+    from uring_kv._staging import Kind
+
+    original_enqueue, original_on_copied = Engine._enqueue_copy, Engine._on_copied
+
+    def enqueue_then_release(self: Engine, batch: Any, group: list[Any]) -> None:
+        original_enqueue(self, batch, group)
+        if batch.kind is Kind.LOAD:
+            for block in group:
+                self.pool.release(block.lease)  # the bug: the copy may still be reading this slot
+
+    def on_copied(self: Engine, group: list[Any], error: BaseException | None = None) -> None:
+        if group[0].batch.kind is Kind.LOAD:
+            for block in group:
+                block.lease = None
+                self._batch_block_done(block.batch)
+            return
+        original_on_copied(self, group, error)
+
+    monkeypatch.setattr(Engine, "_enqueue_copy", enqueue_then_release)
+    monkeypatch.setattr(Engine, "_on_copied", on_copied)

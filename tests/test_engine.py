@@ -17,11 +17,11 @@ import anyio
 import pytest
 import torch
 from aio import gather, run_then_cancel, settle, task_group
-from conftest import BOTH_BACKENDS, EngineFactory, random_caches, reported_errors
+from conftest import BOTH_BACKENDS, EngineFactory, random_caches, release_on_submit, reported_errors, seed_race
 
 from uring_kv import BlockIOError, Engine
 from uring_kv._copy import HostCopier
-from uring_kv._staging import Kind, LeaseState
+from uring_kv._staging import LeaseState
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
 
@@ -60,24 +60,6 @@ async def test_round_trip_is_byte_exact(make_engine: EngineFactory, device: str)
         assert engine.stats()["leases_held"] == 0
 
 
-async def seed_race(engine: Engine, caches: dict[str, torch.Tensor], calls: int) -> int:
-    """Store 32 identified blocks, then back-to-back small load_batch calls; count wrong blocks."""
-    for disk_block in range(32):
-        fill(caches, disk_block % 8, disk_block, 1)
-        if disk_block % 8 == 7:
-            await engine.store_batch(list(range(8)), list(range(disk_block - 7, disk_block + 1)))
-    rng = random.Random(7)
-    wrong = 0
-    for _ in range(calls):
-        disk_blocks = rng.sample(range(32), 4)
-        gpu_blocks = rng.sample(range(8), 4)
-        await engine.load_batch(disk_blocks, gpu_blocks)
-        for disk_block, gpu_block in zip(disk_blocks, gpu_blocks, strict=True):
-            found, version, intact = identify(caches, gpu_block)
-            wrong += (found, version, intact) != (disk_block, 1, True)
-    return wrong
-
-
 async def test_seed_race_never_delivers_another_blocks_bytes(make_engine: EngineFactory) -> None:
     """Two slots and a slow copier: a slot reissued before its copy finished would hand the copy the
     next read's bytes. Mutation tried: releasing the lease when the copy is submitted (the test below
@@ -91,24 +73,7 @@ async def test_seed_race_detector_catches_release_on_submit(make_engine: EngineF
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The same race with the protection removed (slot freed as soon as its copy is enqueued, the
     drain-less bug of per-call bookkeeping) must corrupt blocks, or the test above proves nothing."""
-    original_enqueue, original_on_copied = Engine._enqueue_copy, Engine._on_copied
-
-    def enqueue_then_release(self: Engine, batch: Any, group: list[Any]) -> None:
-        original_enqueue(self, batch, group)
-        if batch.kind is Kind.LOAD:
-            for block in group:
-                self.pool.release(block.lease)  # the bug: the copy may still be reading this slot
-
-    def on_copied(self: Engine, group: list[Any], error: BaseException | None = None) -> None:
-        if group[0].batch.kind is Kind.LOAD:
-            for block in group:
-                block.lease = None
-                self._batch_block_done(block.batch)
-            return
-        original_on_copied(self, group, error)
-
-    monkeypatch.setattr(Engine, "_enqueue_copy", enqueue_then_release)
-    monkeypatch.setattr(Engine, "_on_copied", on_copied)
+    release_on_submit(monkeypatch)
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 32, num_slots=2, copy_delay=0.003) as engine:
         assert await seed_race(engine, caches, calls=25) > 0

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import release_on_submit, seed_race
 
 from uring_kv import Engine
+from uring_kv.testing import id_caches
 
 pytestmark = [
     pytest.mark.cuda,
@@ -138,3 +140,28 @@ async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkey
         for t in caches.values():
             assert torch.equal(t[2].view(torch.int16), t[0].view(torch.int16))
     assert len(compiled_on) == 1 and compiled_on[0] != threading.get_ident()
+
+
+@pytest.mark.parametrize("protection", ["kept", "removed"])
+@pytest.mark.parametrize("copier", ["native", "python"])
+async def test_a_slowed_gpu_never_hands_a_slot_on_before_its_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  copier: str, protection: str) -> None:
+    """Two slots and every copy call held ~3 ms on the GPU (the native copier launches a kernel
+    that only waits, the Python lanes torch's sleep) before its copies, on their stream: a slot
+    reissued before its copy finished would hand the copy the next read's bytes. With the
+    protection removed (slots freed when their copy is enqueued) the same race must corrupt
+    blocks, or the kept case proves nothing."""
+    import time
+
+    monkeypatch.setenv("URING_KV_NATIVE_COPIER", "1" if copier == "native" else "0")
+    if protection == "removed":
+        release_on_submit(monkeypatch)
+    caches = id_caches("cuda", blocks=8)
+    async with Engine(caches, tmp_path / "kv.bin", 32, num_slots=2, copy_delay=0.003) as engine:
+        assert getattr(engine.copier, "native", False) == (copier == "native")
+        await engine.store_batch([0], [0])
+        start = time.perf_counter()
+        await engine.load_batch([0], [1])
+        assert time.perf_counter() - start > 0.001, "the copy was not slowed"
+        wrong = await seed_race(engine, caches, calls=25)
+    assert (wrong == 0) if protection == "kept" else (wrong > 0)

@@ -278,8 +278,31 @@ extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlock
 """
 
 
+# A kernel that only waits: slowed copies for tests (``copy_delay``) on the native copier, which
+# launches it before each call's copies as the Python lanes do with torch.cuda._sleep.
+_SPIN_SOURCE = r"""
+extern "C" __global__ void ukv_spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
 _KERNELS: dict[int, Any] = {}
+_SPIN_KERNELS: dict[int, Any] = {}
 _KERNELS_LOCK = threading.Lock()
+
+
+def spin_kernel(device: Any) -> Any:
+    """The waiting kernel for ``device`` (compiled with NVRTC on first use; tests only)."""
+    import torch
+
+    index = torch.device(device).index
+    key = torch.cuda.current_device() if index is None else index
+    with _KERNELS_LOCK:
+        if key not in _SPIN_KERNELS:
+            with torch.cuda.device(key):
+                _SPIN_KERNELS[key] = torch.cuda._compile_kernel(_SPIN_SOURCE, "ukv_spin")
+        return _SPIN_KERNELS[key]
 
 
 def staged_kernel(device: Any) -> Any:
@@ -394,10 +417,8 @@ class CudaCopier:
         count = lanes if lanes is not None else int(os.environ.get("URING_KV_COPY_LANES", default))
         if count < 1:
             raise ValueError(f"copy lanes must be >= 1, got {count}")
-        # The native copier (C submit threads and bridge) takes staged copies; a delay (tests: a
-        # slowed GPU) needs torch's sleep kernel, so those keep the Python lanes.
-        use_native = (native_copier_wanted() if native is None else native) and self._staging is not None \
-            and not delay
+        # The native copier (C submit threads and bridge) takes staged copies.
+        use_native = (native_copier_wanted() if native is None else native) and self._staging is not None
         if use_native:
             count = 1
         self._lanes: dict[bool, list[_Lane]] = {}
@@ -415,8 +436,13 @@ class CudaCopier:
         if use_native:
             staging_ = self._staging
             assert staging_ is not None
+            spin = 0
+            if self._delay_cycles:  # tests: every call's copies wait this long on the GPU first
+                with torch.cuda.device(device):
+                    spin = int(spin_kernel(device).func.value)
             jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
-                                     self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream))
+                                     self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream),
+                            self._delay_cycles, spin)
             self._link = _NativeLink(jobs, bridge)
             return
         for lane in self._all_lanes():

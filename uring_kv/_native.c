@@ -728,7 +728,8 @@ struct ukv_copier {
     struct ukv_lane lanes[2];
     pthread_t submit[2], bridge;
     int started, stop_submit, stop_bridge, efd, cuda;
-    int64_t delay_ns;
+    int64_t delay; /* host: ns of sleep before each copy job; CUDA: GPU cycles of spin_func */
+    uint64_t spin_func;
     int32_t fail_rc, fail_where; /* fault injection: the next copy job fails so */
     uint64_t ctx, func, table, used_bytes, streams[2];
     unsigned ntensors;
@@ -752,8 +753,8 @@ static void wake_loop(struct ukv_copier *c) {
 
 static void run_job(struct ukv_copier *c, struct ukv_job *j) {
     if (j->kind != UKV_JOB_COPY) return;
-    if (c->delay_ns > 0) {
-        struct timespec ts = {c->delay_ns / 1000000000LL, c->delay_ns % 1000000000LL};
+    if (!c->cuda && c->delay > 0) {
+        struct timespec ts = {c->delay / 1000000000LL, c->delay % 1000000000LL};
         while (nanosleep(&ts, &ts) && errno == EINTR) {}
     }
     if (!c->cuda) {
@@ -762,7 +763,14 @@ static void run_job(struct ukv_copier *c, struct ukv_job *j) {
         return;
     }
     uint64_t stream = c->streams[j->to_slot];
-    j->rc = ukv_cuda_copy_staged(c->ctx, c->func, c->table, c->ntensors, c->used_bytes, j->to_slot, j->n,
+    if (c->delay > 0 && c->spin_func) { /* tests: the copies wait behind a kernel that only waits */
+        long long cycles = c->delay;
+        void *params[] = {&cycles};
+        j->rc = use_ctx(c->ctx);
+        if (!j->rc) j->rc = p_launch(c->spin_func, 1, 1, 1, 1, 1, 1, 0, (void *)(uintptr_t)stream, params, NULL);
+    }
+    if (!j->rc)
+        j->rc = ukv_cuda_copy_staged(c->ctx, c->func, c->table, c->ntensors, c->used_bytes, j->to_slot, j->n,
                                  j->slot_addrs, j->dev_slots, j->gpu_blocks, stream, j->event);
     if (j->rc) { /* some copies may be on the stream: they must be over before the slots move on */
         j->where = UKV_FAIL_ENQUEUE;
@@ -833,10 +841,11 @@ static void *bridge_main(void *arg) {
 
 void ukv_copier_free(struct ukv_copier *c);
 
-/* cuda: 0 = host memcpys (ctx, func, table, used_bytes and streams unused). Returns 0 or -errno. */
+/* cuda: 0 = host memcpys (ctx, func, table, used_bytes, streams and spin_func unused). Returns 0 or -errno. */
 int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                    const uint64_t *slot_offsets, uint64_t ctx, uint64_t func, uint64_t table, uint64_t used_bytes,
-                   uint64_t stream_h2d, uint64_t stream_d2h, int64_t delay_ns, struct ukv_copier **out) {
+                   uint64_t stream_h2d, uint64_t stream_d2h, int64_t delay, uint64_t spin_func,
+                   struct ukv_copier **out) {
     if (cuda && (!p_launch || !p_event_sync || !p_event_query)) return -ENOSYS;
     struct ukv_copier *c = calloc(1, sizeof *c + 3 * (size_t)ntensors * sizeof(uint64_t));
     if (!c) return -ENOMEM;
@@ -850,7 +859,8 @@ int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uin
     c->cuda = cuda;
     c->ctx = ctx; c->func = func; c->table = table; c->used_bytes = used_bytes;
     c->streams[0] = stream_h2d; c->streams[1] = stream_d2h;
-    c->delay_ns = delay_ns;
+    c->delay = delay;
+    c->spin_func = spin_func;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work_cv[0], NULL);
     pthread_cond_init(&c->work_cv[1], NULL);

@@ -450,17 +450,18 @@ class CopyJobs:
     the loop with :meth:`done` when :attr:`fd` (an eventfd) is readable.
 
     ``cuda`` is ``(ctx, kernel function, tensor table, used bytes, h2d stream, d2h stream)`` for
-    staged CUDA copies, or None for host memcpys. ``delay_ns`` holds every copy back (tests)."""
+    staged CUDA copies, or None for host memcpys. ``delay`` holds every copy back (tests): in host
+    mode nanoseconds of sleep, in CUDA mode GPU clock cycles of ``spin_func`` before the copies."""
 
     BATCH = 256
 
     def __init__(self, blocks: BlockCopier, cuda: tuple[int, int, int, int, int, int] | None,
-                 delay_ns: int = 0) -> None:
+                 delay: int = 0, spin_func: int = 0) -> None:
         out = ffi.new("struct ukv_copier **")
         n, bases, block_bytes, slot_offsets = blocks.c_table()
         ctx, func, table, used, h2d, d2h = cuda if cuda is not None else (0, 0, 0, 0, 0, 0)
         rc = _lib.ukv_copier_new(int(cuda is not None), n, bases, block_bytes, slot_offsets, ctx, func, table,
-                                 used, h2d, d2h, delay_ns, out)
+                                 used, h2d, d2h, delay, spin_func, out)
         if rc:
             raise OSError(-rc, f"starting the native copier: {os.strerror(-rc)}")
         self._c: Any = out[0]
