@@ -142,7 +142,22 @@ def _job_error(rc: int, where: int) -> BaseException | None:
 HOST_INLINE_BYTES = 1 << 20
 
 
-class HostCopier:
+class _NativeUser:
+    """What both copiers say about the native copier: whether they use it, and its jobs not yet
+    handled on the loop (the engine waits for none to be left before it closes)."""
+
+    _link: _NativeLink | None = None
+
+    @property
+    def native(self) -> bool:
+        return self._link is not None
+
+    @property
+    def pending(self) -> int:
+        return self._link.pending if self._link is not None else 0
+
+
+class HostCopier(_NativeUser):
     """CPU mode: small copy calls run inline on the loop; the others on one worker thread, in
     submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
 
@@ -174,16 +189,6 @@ class HostCopier:
         thread = "native thread" if self._link is not None else "thread"
         self.description = (f"host memcpy {thread}" if not self._inline_blocks else
                             f"host memcpy (inline up to {inline_bytes >> 10} KiB per call, else a {thread})")
-
-    @property
-    def native(self) -> bool:
-        """The copies off the loop run on the native copier's thread."""
-        return self._link is not None
-
-    @property
-    def pending(self) -> int:
-        """Copies handed to the native copier whose handlers have not run yet."""
-        return self._link.pending if self._link is not None else 0
 
     @property
     def inline_blocks(self) -> int:
@@ -287,37 +292,33 @@ extern "C" __global__ void ukv_spin(long long cycles) {
 }
 """
 
-_KERNELS: dict[int, Any] = {}
-_SPIN_KERNELS: dict[int, Any] = {}
+_KERNELS: dict[tuple[str, int], Any] = {}
 _KERNELS_LOCK = threading.Lock()
 
 
-def spin_kernel(device: Any) -> Any:
-    """The waiting kernel for ``device`` (compiled with NVRTC on first use; tests only)."""
+def _kernel(source: str, name: str, device: Any) -> Any:
+    """Kernel ``name`` of ``source`` for ``device``, compiled with NVRTC once per device and process."""
     import torch
 
     index = torch.device(device).index
-    key = torch.cuda.current_device() if index is None else index
+    key = (name, torch.cuda.current_device() if index is None else index)
     with _KERNELS_LOCK:
-        if key not in _SPIN_KERNELS:
-            with torch.cuda.device(key):
-                _SPIN_KERNELS[key] = torch.cuda._compile_kernel(_SPIN_SOURCE, "ukv_spin")
-        return _SPIN_KERNELS[key]
+        if key not in _KERNELS:
+            with torch.cuda.device(key[1]):
+                _KERNELS[key] = torch.cuda._compile_kernel(source, name)
+        return _KERNELS[key]
+
+
+def spin_kernel(device: Any) -> Any:
+    """The waiting kernel for ``device`` (tests only)."""
+    return _kernel(_SPIN_SOURCE, "ukv_spin", device)
 
 
 def staged_kernel(device: Any) -> Any:
     """The scatter/gather kernel for ``device``, compiled with NVRTC on first use (tens to hundreds
     of ms: once per device and process). ``Engine.open`` calls it on a worker thread, so the loop
     never waits for the compiler; an error is raised again where the copier is built."""
-    import torch
-
-    index = torch.device(device).index
-    key = torch.cuda.current_device() if index is None else index
-    with _KERNELS_LOCK:
-        if key not in _KERNELS:
-            with torch.cuda.device(key):
-                _KERNELS[key] = torch.cuda._compile_kernel(_SCATTER_SOURCE, "ukv_scatter")
-        return _KERNELS[key]
+    return _kernel(_SCATTER_SOURCE, "ukv_scatter", device)
 
 
 def staged_copies_wanted() -> bool:
@@ -373,7 +374,7 @@ class _Lane:
                                        name=f"uring-kv-{'d2h' if to_slot else 'h2d'}-submit-{index}")
 
 
-class CudaCopier:
+class CudaCopier(_NativeUser):
     """GPU mode: H2D on high-priority load streams, D2H on store streams, one driver event per call.
 
     The CUDA driver spends 1–2 µs of CPU per memcpy descriptor, and a block is one descriptor per
@@ -447,16 +448,6 @@ class CudaCopier:
             return
         for lane in self._all_lanes():
             lane.thread.start()
-
-    @property
-    def native(self) -> bool:
-        """Copies are enqueued and waited for by the native copier's C threads."""
-        return self._link is not None
-
-    @property
-    def pending(self) -> int:
-        """Copies handed to the native copier whose handlers have not run yet."""
-        return self._link.pending if self._link is not None else 0
 
     def _all_lanes(self) -> list[_Lane]:
         return self._lanes[False] + self._lanes[True]
