@@ -795,8 +795,12 @@ static void *submit_main(void *arg) {
         }
         pthread_mutex_unlock(&c->mu);
         run_job(c, j);
+        if (fail_rc && !j->rc) { /* reported failed at once: its copies must be over first, as for a real one */
+            if (c->cuda && p_stream_sync) p_stream_sync(c->streams[j->to_slot]);
+            j->rc = fail_rc;
+            j->where = fail_where;
+        }
         pthread_mutex_lock(&c->mu);
-        if (fail_rc && !j->rc) { j->rc = fail_rc; j->where = fail_where; }
         if (c->cuda && j->kind == UKV_JOB_COPY && !j->rc) {
             fifo_push(&c->pending, j);
             pthread_cond_signal(&c->bridge_cv);
