@@ -7,6 +7,7 @@ tell a torn block, another block's bytes, or a stale version apart.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import time
@@ -374,7 +375,8 @@ async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeyp
     assert engine.closed and not os.path.exists(engine.path)
 
 
-_COPY_PATHS = {"thread-copy": ("0", "0"), "native-copy": ("0", "1"), "inline-copy": ("262144", "1")}
+_COPY_PATHS = {"thread-copy": ("0", "0"), "native-copy": ("0", "1"), "native-unqueued": ("0", "1"),
+               "inline-copy": ("262144", "1")}
 
 
 @pytest.mark.parametrize("path", list(_COPY_PATHS))
@@ -384,10 +386,11 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
     """A copy the copier could not do (a CUDA error in GPU mode) must fail its blocks with EIO, not
     count them as moved; a store that failed that way leaves its disk block unreadable rather than
     stale, whether the CPU-mode copy ran on the Python thread, the native copier's thread (its
-    fault injection) or inline. Mutation tried: ignoring the copier's error (the load 'succeeded'
-    with the old bytes). Native pumps are off here: their copies are memcpy in C, which has no
-    failure to inject."""
-    from uring_kv._native import FAIL_ENQUEUE, BlockCopier
+    fault injection, or a job it could not even queue) or inline. Mutations tried: ignoring the
+    copier's error (the load 'succeeded' with the old bytes); letting a queueing error out of the
+    copy call (the store never finished). Native pumps are off here: their copies are memcpy in
+    C, which has no failure to inject."""
+    from uring_kv._native import FAIL_ENQUEUE, BlockCopier, CopyJobs
 
     inline_bytes, native = _COPY_PATHS[path]
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
@@ -396,8 +399,19 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
         await store_identity(engine, caches, 4)
-        assert engine.copier.native == (path == "native-copy" or path == "inline-copy")
-        if path == "native-copy":
+        assert engine.copier.native == (path != "thread-copy")
+        if path == "native-unqueued":
+            real_put = CopyJobs.put
+            refusing = {"left": 1}
+
+            def refusing_put(self: CopyJobs, token: int, to_slot: bool, *args: Any) -> None:
+                if to_slot and refusing["left"]:
+                    refusing["left"] -= 1
+                    raise OSError(errno.ENOMEM, "queueing a copy: no memory")
+                real_put(self, token, to_slot, *args)
+
+            monkeypatch.setattr(CopyJobs, "put", refusing_put)
+        elif path == "native-copy":
             link = engine.copier._link
             assert link is not None
             link.jobs.fail_next(999, FAIL_ENQUEUE)  # CUDA_ERROR_UNKNOWN

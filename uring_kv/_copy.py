@@ -78,13 +78,13 @@ def native_copier_wanted() -> bool:
 class _NativeLink:
     """The loop's side of the native copier (``CopyJobs``): each job's handler by token, and the
     copier's eventfd watched by the loop; one reader callback runs the handlers of every job
-    finished since the last one. Handlers run in the order the jobs finished."""
+    finished since the last one, in the order the jobs finished, each with its error or None."""
 
     def __init__(self, jobs: CopyJobs, bridge: Bridge) -> None:
         self.jobs = jobs
         self._bridge = bridge
         self._svc = bridge.services
-        self._handlers: dict[int, Callable[[int, int], None]] = {}
+        self._handlers: dict[int, Callable[[BaseException | None], None]] = {}
         self._next = 0
         self._svc.add_reader(jobs.fd, self._collect)
 
@@ -92,22 +92,24 @@ class _NativeLink:
     def pending(self) -> int:
         return len(self._handlers)
 
-    def _token(self, handler: Callable[[int, int], None]) -> int:
+    def _token(self, handler: Callable[[BaseException | None], None]) -> int:
         token = self._next
         self._next += 1
         self._handlers[token] = handler
         return token
 
     def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
-             handler: Callable[[int, int], None], dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
+             handler: Callable[[BaseException | None], None], dev_slots: Sequence[int] | None = None,
+             event: int = 0) -> None:
+        """Queue a copy; a copy that cannot be queued (no memory for the job) is delivered as failed
+        on a later loop turn, like one that failed on the thread: nothing was enqueued for it."""
         token = self._token(handler)
         try:
             self.jobs.put(token, to_slot, slot_addrs, gpu_blocks, dev_slots, event)
-        except BaseException:
-            del self._handlers[token]
-            raise
+        except Exception as exc:
+            self._svc.call_soon(self._deliver, token, exc)
 
-    def mark(self, to_slot: bool, handler: Callable[[int, int], None]) -> None:
+    def mark(self, to_slot: bool, handler: Callable[[BaseException | None], None]) -> None:
         token = self._token(handler)
         try:
             self.jobs.mark(token, to_slot)
@@ -115,15 +117,17 @@ class _NativeLink:
             del self._handlers[token]
             raise
 
+    def _deliver(self, token: int, error: BaseException | None) -> None:
+        try:
+            self._handlers.pop(token)(error)
+        except Exception as exc:
+            self._svc.report("uring_kv copy completion handler failed", exc)
+
     def _collect(self) -> None:
         now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
         for token, rc, where, done_ns in self.jobs.done():
-            handler = self._handlers.pop(token)
             self._bridge.delivery_ns.append(now - done_ns)
-            try:
-                handler(rc, where)
-            except Exception as exc:
-                self._svc.report("uring_kv copy completion handler failed", exc)
+            self._deliver(token, _job_error(rc, where))
 
     def close(self) -> None:
         """Stop watching, then run what is queued and stop the threads (blocking)."""
@@ -221,9 +225,10 @@ class HostCopier(_NativeUser):
     def _fired(event: HostEvent, on_done: Callable[[BaseException | None], None]) -> None:
         on_done(event.error)
 
-    def _job_done(self, to_slot: bool, on_done: Callable[[BaseException | None], None], rc: int, where: int) -> None:
+    def _job_done(self, to_slot: bool, on_done: Callable[[BaseException | None], None],
+                  error: BaseException | None) -> None:
         self._in_thread[to_slot] -= 1
-        on_done(_job_error(rc, where))
+        on_done(error)
 
     def marker(self, to_slot: bool, then: Callable[[Any], None]) -> None:
         """``then(event)`` runs on the loop; ``event`` is set once every copy enqueued so far is done."""
@@ -233,7 +238,7 @@ class HostCopier(_NativeUser):
             # none of this direction's copies there, every copy so far is done already (inline).
             event.set()
             if self._in_thread[to_slot]:
-                self._link.mark(to_slot, lambda _rc, _where: then(event))
+                self._link.mark(to_slot, lambda _error: then(event))
             else:
                 self._bridge.call_soon(then, event)
             return
@@ -476,10 +481,10 @@ class CudaCopier(_NativeUser):
         lanes[index].queue.put((event, slot_addrs, gpu_blocks))
         self._bridge.watch(event, functools.partial(self._fired, event, on_done))
 
-    def _job_done(self, event: CudaEvent, on_done: Callable[[BaseException | None], None], rc: int,
-                  where: int) -> None:
+    def _job_done(self, event: CudaEvent, on_done: Callable[[BaseException | None], None],
+                  error: BaseException | None) -> None:
         self._free.append(event)  # the native bridge saw it fire (or it failed): nobody holds it
-        on_done(_job_error(rc, where))
+        on_done(error)
 
     def _submit_loop(self, lane: _Lane) -> None:
         stream, to_slot = lane.stream, lane.to_slot
@@ -517,7 +522,7 @@ class CudaCopier(_NativeUser):
         handle). Each lane records its part; the last one joins them on the marker stream."""
         if self._link is not None:
             stream = self._lanes[to_slot][0].stream
-            self._link.mark(to_slot, lambda _rc, _where: then(self._record(stream)))
+            self._link.mark(to_slot, lambda _error: then(self._record(stream)))
             return
         marker = _Marker(then, len(self._lanes[to_slot]))
         for lane in self._lanes[to_slot]:
