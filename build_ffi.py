@@ -192,7 +192,6 @@ int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, 
                    uint64_t event);
 unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
                          int64_t *done_ns);
-void ukv_copier_stop(struct ukv_copier *c);
 void ukv_copier_free(struct ukv_copier *c);
 """
 

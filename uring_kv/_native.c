@@ -751,31 +751,36 @@ static void wake_loop(struct ukv_copier *c) {
     do w = write(c->efd, &one, sizeof one); while (w < 0 && errno == EINTR);
 }
 
-static void run_job(struct ukv_copier *c, struct ukv_job *j) {
+/* Runs a copy job (markers have nothing to run). `fail_rc` (fault injection, else 0): the job is
+ * done as usual, then reported failed with it. A failed CUDA job waits for its stream first: some of
+ * its copies may be on it, and they must be over before its slots move on. */
+static void run_job(struct ukv_copier *c, struct ukv_job *j, int32_t fail_rc, int32_t fail_where) {
     if (j->kind != UKV_JOB_COPY) return;
-    if (!c->cuda && c->delay > 0) {
-        struct timespec ts = {c->delay / 1000000000LL, c->delay % 1000000000LL};
-        while (nanosleep(&ts, &ts) && errno == EINTR) {}
-    }
+    uint64_t stream = c->streams[j->to_slot];
     if (!c->cuda) {
+        if (c->delay > 0) {
+            struct timespec ts = {c->delay / 1000000000LL, c->delay % 1000000000LL};
+            while (nanosleep(&ts, &ts) && errno == EINTR) {}
+        }
         ukv_host_copy(c->ntensors, c->bases, c->block_bytes, c->slot_offsets, j->to_slot, j->n, j->slot_addrs,
                       j->gpu_blocks);
-        return;
+    } else {
+        if (c->delay > 0 && c->spin_func) { /* tests: the copies wait behind a kernel that only waits */
+            long long cycles = c->delay;
+            void *params[] = {&cycles};
+            j->rc = use_ctx(c->ctx);
+            if (!j->rc) j->rc = p_launch(c->spin_func, 1, 1, 1, 1, 1, 1, 0, (void *)(uintptr_t)stream, params, NULL);
+        }
+        if (!j->rc)
+            j->rc = ukv_cuda_copy_staged(c->ctx, c->func, c->table, c->ntensors, c->used_bytes, j->to_slot, j->n,
+                                         j->slot_addrs, j->dev_slots, j->gpu_blocks, stream, j->event);
+        if (j->rc) j->where = UKV_FAIL_ENQUEUE;
     }
-    uint64_t stream = c->streams[j->to_slot];
-    if (c->delay > 0 && c->spin_func) { /* tests: the copies wait behind a kernel that only waits */
-        long long cycles = c->delay;
-        void *params[] = {&cycles};
-        j->rc = use_ctx(c->ctx);
-        if (!j->rc) j->rc = p_launch(c->spin_func, 1, 1, 1, 1, 1, 1, 0, (void *)(uintptr_t)stream, params, NULL);
+    if (!j->rc && fail_rc) {
+        j->rc = fail_rc;
+        j->where = fail_where;
     }
-    if (!j->rc)
-        j->rc = ukv_cuda_copy_staged(c->ctx, c->func, c->table, c->ntensors, c->used_bytes, j->to_slot, j->n,
-                                 j->slot_addrs, j->dev_slots, j->gpu_blocks, stream, j->event);
-    if (j->rc) { /* some copies may be on the stream: they must be over before the slots move on */
-        j->where = UKV_FAIL_ENQUEUE;
-        if (p_stream_sync) p_stream_sync(stream);
-    }
+    if (j->rc && c->cuda && p_stream_sync) p_stream_sync(stream);
 }
 
 static void *submit_main(void *arg) {
@@ -794,12 +799,7 @@ static void *submit_main(void *arg) {
             c->fail_rc = 0;
         }
         pthread_mutex_unlock(&c->mu);
-        run_job(c, j);
-        if (fail_rc && !j->rc) { /* reported failed at once: its copies must be over first, as for a real one */
-            if (c->cuda && p_stream_sync) p_stream_sync(c->streams[j->to_slot]);
-            j->rc = fail_rc;
-            j->where = fail_where;
-        }
+        run_job(c, j, fail_rc, fail_where);
         pthread_mutex_lock(&c->mu);
         if (c->cuda && j->kind == UKV_JOB_COPY && !j->rc) {
             fifo_push(&c->pending, j);
@@ -945,7 +945,7 @@ unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, i
 }
 
 /* Runs every queued job, waits for every recorded event, then stops the threads (blocking). */
-void ukv_copier_stop(struct ukv_copier *c) {
+static void copier_stop(struct ukv_copier *c) {
     pthread_mutex_lock(&c->mu);
     c->stop_submit = 1;
     pthread_cond_broadcast(&c->work_cv[0]);
@@ -963,7 +963,7 @@ void ukv_copier_stop(struct ukv_copier *c) {
 
 void ukv_copier_free(struct ukv_copier *c) {
     if (!c) return;
-    ukv_copier_stop(c);
+    copier_stop(c);
     struct ukv_fifo *lists[] = {&c->work[0], &c->work[1], &c->pending, &c->done};
     for (unsigned i = 0; i < sizeof lists / sizeof *lists; i++) {
         struct ukv_job *j;
