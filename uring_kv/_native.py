@@ -474,25 +474,22 @@ class CopyJobs:
     def put(self, token: int, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
             dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
         """Queue a copy of these blocks (``event`` recorded after it, CUDA mode)."""
-        self._check_open()
-        rc = _lib.ukv_copier_put(self._c, token, _lib.UKV_JOB_COPY, int(to_slot), len(slot_addrs),
-                                 ffi.new("uint64_t[]", slot_addrs),
-                                 ffi.new("uint64_t[]", dev_slots) if dev_slots is not None else ffi.NULL,
-                                 ffi.new("int64_t[]", gpu_blocks), event)
-        if rc:
-            raise OSError(-rc, f"queueing a copy: {os.strerror(-rc)}")
+        self._put("a copy", token, _lib.UKV_JOB_COPY, to_slot, len(slot_addrs), ffi.new("uint64_t[]", slot_addrs),
+                  ffi.new("uint64_t[]", dev_slots) if dev_slots is not None else ffi.NULL,
+                  ffi.new("int64_t[]", gpu_blocks), event)
 
     def mark(self, token: int, to_slot: bool) -> None:
         """Queue a marker: done once every copy queued before it in this direction is enqueued
         on its stream (CUDA) or finished (host)."""
-        self._check_open()
-        rc = _lib.ukv_copier_put(self._c, token, _lib.UKV_JOB_MARK, int(to_slot), 0, ffi.NULL, ffi.NULL, ffi.NULL, 0)
-        if rc:
-            raise OSError(-rc, f"queueing a marker: {os.strerror(-rc)}")
+        self._put("a marker", token, _lib.UKV_JOB_MARK, to_slot, 0, ffi.NULL, ffi.NULL, ffi.NULL, 0)
 
-    def _check_open(self) -> None:
+    def _put(self, what: str, token: int, kind: int, to_slot: bool, n: int, slot_addrs: Any, dev_slots: Any,
+             gpu_blocks: Any, event: int) -> None:
         if self._c is None:
             raise RuntimeError("uring_kv: the native copier is closed")
+        rc = _lib.ukv_copier_put(self._c, token, kind, int(to_slot), n, slot_addrs, dev_slots, gpu_blocks, event)
+        if rc:
+            raise OSError(-rc, f"queueing {what}: {os.strerror(-rc)}")
 
     def fail_next(self, rc: int, where: int) -> None:
         """Fault injection (tests): the next copy job runs, then is reported failed with ``rc``."""
