@@ -499,9 +499,9 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
     extra: dict[str, Any] = {}
     cases = [("cold", True), ("hot", False)] if config.direct is None else [
         ("cold" if config.direct else "hot", config.direct)]
+    spare = spare_slots(config, device)
     for case, direct in cases:
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
-        spare = spare_slots(config, device)
         async with Engine(work.caches, path, work.num_disk_blocks, config.slots + spare,
                           direct=None if direct else False, checksum=config.checksum,
                           io_depth=config.slots) as engine:
