@@ -2,7 +2,10 @@
 
 Runs the bench (same arguments as ``uring-kv bench``) with every asyncio callback timed while a
 method is being measured, then prints, per method and callback (task steps by coroutine name), how
-many ran, their total and maximum time and how many took over 0.5 and 1 ms.
+many ran, their total and maximum time and how many took over 0.5 and 1 ms. Then, for uring_kv's
+callbacks that took over 0.5 ms, where their time went: reaping the ring (C, pump refills
+included), submitting SQEs (``io_uring_enter``: O_DIRECT submissions can wait there for the device
+queue), queueing copies, and the rest (Python handlers), with how many completions each reaped.
 
     python tools/loop_stalls.py --block-size 128K --direct --batches 4
 """
@@ -16,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from uring_kv import _bench, cli
+from uring_kv import _bench, _native, cli
 
 stats: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
 _original_run = asyncio.events.Handle._run
@@ -47,23 +50,69 @@ def _name(handle: asyncio.events.Handle) -> str:
     return str(getattr(callback, "__qualname__", callback))
 
 
+# Time spent inside the wrapped calls during the callback now running: phase → seconds, and how
+# many completions its reaps returned.
+phases: dict[str, float] = collections.defaultdict(float)
+reaped = [0]
+slow: list[tuple[float, str, str, dict[str, float], int]] = []  # (seconds, method, callback, phases, reaped)
+
+
+def _timed(phase: str, func: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            phases[phase] += time.perf_counter() - start
+        if phase == "reap":
+            reaped[0] += len(result)
+        return result
+    return wrapper
+
+
 def _timed_run(self: asyncio.events.Handle) -> None:
     if not measuring:
         _original_run(self)
         return
     method, window = measuring[0], windows[0]
+    phases.clear()
+    reaped[0] = 0
     start = time.perf_counter()
     try:
         _original_run(self)
     finally:
+        took = time.perf_counter() - start
         if windows[0] == window:  # (the step that ends a measurement runs the bench's own code after it)
-            stats[(method, _name(self))].append(time.perf_counter() - start)
+            name = _name(self)
+            stats[(method, name)].append(took)
+            if took > 5e-4 and method == "uring_kv":
+                slow.append((took, method, name, dict(phases), reaped[0]))
+
+
+def _print_phases() -> None:
+    if not slow:
+        return
+    names = ("reap", "submit", "copy")
+    print(f"\nuring_kv callbacks over 0.5 ms ({len(slow)}): where their time went, ms")
+    print(f"{'callback':40} {'total':>7} " + " ".join(f"{n:>7}" for n in names) + f" {'other':>7} {'reaped':>7}")
+    for took, _, name, spent, count in sorted(slow, reverse=True)[:15]:
+        other = took - sum(spent.get(n, 0.0) for n in names)
+        print(f"{name[:40]:40} {1e3 * took:7.2f} " + " ".join(f"{1e3 * spent.get(n, 0.0):7.2f}" for n in names)
+              + f" {1e3 * other:7.2f} {count:7d}")
+    total = sum(s[0] for s in slow)
+    shares = {n: sum(s[3].get(n, 0.0) for s in slow) / total for n in names}
+    print("share of their time: " + ", ".join(f"{n} {100 * v:.0f}%" for n, v in shares.items())
+          + f", other {100 * (1 - sum(shares.values())):.0f}%")
 
 
 def main() -> int:
     asyncio.events.Handle._run = _timed_run  # type: ignore[method-assign]
     _bench.LagTicker.__enter__ = _enter  # type: ignore[method-assign]
     _bench.LagTicker.__exit__ = _exit  # type: ignore[method-assign]
+    _native.NativeRing.reap = _timed("reap", _native.NativeRing.reap)  # type: ignore[method-assign]
+    _native.NativeRing.submit = _timed("submit", _native.NativeRing.submit)  # type: ignore[method-assign]
+    _native.CopyJobs._put = _timed("copy", _native.CopyJobs._put)  # type: ignore[method-assign]
+    _native.BlockCopier.host = _timed("copy", _native.BlockCopier.host)  # type: ignore[method-assign]
     code = cli.main(["bench", *sys.argv[1:]])
     rows = sorted(stats.items(), key=lambda item: (item[0][0], -max(item[1])))
     print(f"{'method':14} {'callback':50} {'runs':>8} {'total ms':>10} {'max ms':>8} {'>0.5ms':>7} {'>1ms':>6}")
@@ -72,6 +121,7 @@ def main() -> int:
             continue
         print(f"{method[:14]:14} {name[:50]:50} {len(times):8d} {1e3 * sum(times):10.1f} {1e3 * max(times):8.2f} "
               f"{sum(t > 5e-4 for t in times):7d} {sum(t > 1e-3 for t in times):6d}")
+    _print_phases()
     return code
 
 
