@@ -132,10 +132,12 @@ struct ukv_pump {  /* only what Python reads; ukv_pump_new fills in the rest */
     int32_t *fail_errno;
     ...;
 };
+struct ukv_copier;
 struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
                               unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                               const uint64_t *slot_offsets, unsigned nblocks, const uint64_t *offsets,
-                              const int64_t *cache, const int32_t *waiting, unsigned max_slots, int scatter);
+                              const int64_t *cache, const int32_t *waiting, unsigned max_slots, int scatter,
+                              struct ukv_copier *copier, const uint64_t *dev_slots, unsigned copy_blocks);
 void ukv_pump_free(struct ukv_pump *p);
 long ukv_check_blocks(const int64_t *v, unsigned n, int64_t limit, uint64_t *seen);
 void ukv_scale(const int64_t *v, unsigned n, uint64_t factor, uint64_t *out);
@@ -145,6 +147,8 @@ int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);
 int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
                        const uint64_t *addrs, const int32_t *bufs);
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap);
+unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more);
 
@@ -176,7 +180,6 @@ int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream);
 
-struct ukv_copier;
 #define UKV_JOB_COPY 0
 #define UKV_JOB_MARK 1
 #define UKV_FAIL_ENQUEUE 1
@@ -190,8 +193,10 @@ void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where);
 int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
                    const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
                    uint64_t event);
-unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
-                         int64_t *done_ns);
+unsigned ukv_copier_done(struct ukv_copier *c, struct ukv_ring *r, unsigned max, uint64_t *tokens, int32_t *rcs,
+                         int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched,
+                         int *submit_error);
+unsigned ukv_copier_pump_jobs(struct ukv_copier *c);
 void ukv_copier_free(struct ukv_copier *c);
 """
 

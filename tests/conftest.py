@@ -199,8 +199,11 @@ async def seed_race(engine: Engine, caches: dict[str, torch.Tensor], calls: int)
 
 
 def release_on_submit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bug the seed race exists for: a load's slot freed as soon as its copy is enqueued."""
+    """The bug the seed race exists for: a load's slot freed as soon as its copy is enqueued (in the
+    per-block path: batches do not go through native pumps here)."""
     from uring_kv._staging import Kind
+
+    monkeypatch.setenv("URING_KV_PUMP", "0")
 
     original_enqueue, original_on_copied = Engine._enqueue_copy, Engine._on_copied
 

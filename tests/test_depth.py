@@ -27,11 +27,17 @@ def io_mode() -> str:
     return "uring"  # the ring's own count of ops in flight is what is checked
 
 
+@pytest.mark.parametrize("path", ["pumped", "per-block"])
 async def test_io_depth_caps_ops_in_flight_while_spare_slots_hold_copies(make_engine: EngineFactory,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          path: str) -> None:
     """8 slots, depth 2, copies slowed: the ring never has more than 2 reads or writes in flight,
     while more than 2 slots are held at once (blocks waiting for or in their copy), and every byte
-    arrives. Mutation tried: the ring's capacity ignoring the depth (8 ops were in flight)."""
+    arrives; in native pumps (the C count of their I/Os, its high-water mark) and block by block.
+    Mutations tried: the ring's capacity ignoring the depth (8 ops were in flight); pumps ignoring
+    the cap (peak 8)."""
+    if path == "per-block":
+        monkeypatch.setenv("URING_KV_PUMP", "0")
     in_flight: list[int] = []
     flush = UringBackend._flush
 
@@ -57,8 +63,13 @@ async def test_io_depth_caps_ops_in_flight_while_spare_slots_hold_copies(make_en
         order = random.Random(3).sample(range(32), 32)
         await engine.load_batch(order, list(range(32, 64)))
         assert [identify(caches, 32 + i) for i in range(32)] == [(d, 1, True) for d in order]
-        assert engine.stats()["pumped_batches"] == 0  # pumps keep an op per slot: not with a depth cap
-    assert max(in_flight) == 2, f"ops in flight after a submission: up to {max(in_flight)}"
+        assert engine.stats()["pumped_batches"] == (2 if path == "pumped" else 0)
+        assert isinstance(engine.io, UringBackend)
+        pump_io, pump_peak = engine.io._ring.pump_io()
+    if path == "pumped":
+        assert pump_io == 0 and pump_peak == 2, f"pump I/Os in flight at once: up to {pump_peak}"
+    else:
+        assert max(in_flight) == 2, f"ops in flight after a submission: up to {max(in_flight)}"
     assert max(held) > 2, "no slot was ever spare: the depth cap did not let copies overlap the I/O"
 
 

@@ -61,13 +61,18 @@ async def test_round_trip_is_byte_exact(make_engine: EngineFactory, device: str)
         assert engine.stats()["leases_held"] == 0
 
 
-async def test_seed_race_never_delivers_another_blocks_bytes(make_engine: EngineFactory) -> None:
+async def test_seed_race_never_delivers_another_blocks_bytes(make_engine: EngineFactory, io_mode: str) -> None:
     """Two slots and a slow copier: a slot reissued before its copy finished would hand the copy the
-    next read's bytes. Mutation tried: releasing the lease when the copy is submitted (the test below
-    runs exactly that mutation and sees the corruption)."""
+    next read's bytes. On io_uring the batches run in native pumps whose copies are the native
+    copier's jobs (``uring``) or block by block (``uring-python``). Mutations tried: releasing the
+    lease when the copy is submitted (the test below runs exactly that mutation and sees the
+    corruption); a pump starting a slot's next read as soon as its copy job is queued (corrupt
+    blocks seen)."""
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 32, num_slots=2, copy_delay=0.003) as engine:
         assert await seed_race(engine, caches, calls=25) == 0
+        pumps_on = io_mode == "uring" and os.environ.get("URING_KV_PUMP") != "0"
+        assert (engine.stats()["pumped_batches"] > 0) == pumps_on
 
 
 async def test_seed_race_detector_catches_release_on_submit(make_engine: EngineFactory,
@@ -376,26 +381,29 @@ async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeyp
 
 
 _COPY_PATHS = {"thread-copy": ("0", "0"), "native-copy": ("0", "1"), "native-unqueued": ("0", "1"),
-               "inline-copy": ("262144", "1")}
+               "inline-copy": ("262144", "1"), "pumped-copy": ("0", "1")}
 
 
 @pytest.mark.parametrize("path", list(_COPY_PATHS))
 async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engine: EngineFactory,
                                                                       monkeypatch: pytest.MonkeyPatch,
-                                                                      path: str) -> None:
+                                                                      path: str, io_mode: str) -> None:
     """A copy the copier could not do (a CUDA error in GPU mode) must fail its blocks with EIO, not
     count them as moved; a store that failed that way leaves its disk block unreadable rather than
     stale, whether the CPU-mode copy ran on the Python thread, the native copier's thread (its
-    fault injection, or a job it could not even queue) or inline. Mutations tried: ignoring the
-    copier's error (the load 'succeeded' with the old bytes); letting a queueing error out of the
-    copy call (the store never finished). Native pumps are off here: their copies are memcpy in
-    C, which has no failure to inject."""
+    fault injection, or a job it could not even queue), inline, or as a native pump's job on the
+    native copier (``pumped-copy``; on io_uring). Mutations tried: ignoring the copier's error
+    (the load 'succeeded' with the old bytes); letting a queueing error out of the copy call (the
+    store never finished); a pump moving a failed job's slots on as copied (the store
+    'succeeded'). Pumps are off on the other paths: the memcpys of their inline copies cannot
+    fail."""
     from uring_kv._native import FAIL_ENQUEUE, BlockCopier, CopyJobs
 
     inline_bytes, native = _COPY_PATHS[path]
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
     monkeypatch.setenv("URING_KV_NATIVE_COPIER", native)
-    monkeypatch.setenv("URING_KV_PUMP", "0")
+    if path != "pumped-copy":  # (which keeps the io_mode's setting: pumps off for uring-python)
+        monkeypatch.setenv("URING_KV_PUMP", "0")
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
         await store_identity(engine, caches, 4)
@@ -411,8 +419,8 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
                 real_put(self, token, to_slot, *args)
 
             monkeypatch.setattr(CopyJobs, "put", refusing_put)
-        elif path == "native-copy":
-            link = engine.copier._link
+        elif path in ("native-copy", "pumped-copy"):
+            link = engine.copier.link
             assert link is not None
             link.jobs.fail_next(999, FAIL_ENQUEUE)  # CUDA_ERROR_UNKNOWN
         else:
@@ -431,6 +439,9 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
             await engine.store_batch([5], [2])
         assert info.value.failures == {2: 5}
         assert len(errors) == 1 and "copy failed" in str(errors[0])
+        pumped = engine.stats()["pumped_batches"]
+        pumps_on = io_mode == "uring" and os.environ.get("URING_KV_PUMP") != "0"
+        assert pumped == (2 if path == "pumped-copy" and pumps_on else 0)  # this store, store_identity's
         with pytest.raises(BlockIOError, match="disk block"):
             await engine.load_batch([2], [6])
         await engine.load_batch([1], [7])  # the others are intact, the engine goes on

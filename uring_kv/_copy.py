@@ -21,6 +21,7 @@ from uring_kv._bridge import Bridge
 from uring_kv._env import env_count
 from uring_kv._native import (
     FAIL_WAIT,
+    PUMP_TAG,
     STAGED_MAX,
     BlockCopier,
     CopyJobs,
@@ -29,6 +30,7 @@ from uring_kv._native import (
     cuda_copy_path,
     cuda_current_context,
     cuda_use_context,
+    dev_slot_array,
     load_cuda_driver,
 )
 
@@ -86,11 +88,15 @@ class _NativeLink:
         self._svc = bridge.services
         self._handlers: dict[int, Callable[[BaseException | None], None]] = {}
         self._next = 0
+        # How finished jobs are taken: the engine replaces it with its ring's collection when pumps
+        # queue jobs here (their jobs are handled in C on the ring, see UringBackend.copies_done).
+        self.take: Callable[[], list[tuple[int, int, int, int]]] = jobs.done
         self._svc.add_reader(jobs.fd, self._collect)
 
     @property
     def pending(self) -> int:
-        return len(self._handlers)
+        """Jobs queued and not yet handled on the loop: those with handlers, and pumps'."""
+        return len(self._handlers) + self.jobs.pump_jobs
 
     def _token(self, handler: Callable[[BaseException | None], None]) -> int:
         token = self._next
@@ -125,9 +131,12 @@ class _NativeLink:
 
     def _collect(self) -> None:
         now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
-        for token, rc, where, done_ns in self.jobs.done():
+        for token, rc, where, done_ns in self.take():
             self._bridge.delivery_ns.append(now - done_ns)
-            self._deliver(token, _job_error(rc, where))
+            if not token & PUMP_TAG:
+                self._deliver(token, _job_error(rc, where))
+            elif (error := _job_error(rc, where)) is not None:  # a pump's job, handled in C: its
+                self._svc.report("uring_kv copy failed", error)  # blocks failed with EIO, say why
 
     def close(self) -> None:
         """Stop watching, then run what is queued and stop the threads (blocking)."""
@@ -155,6 +164,11 @@ class _NativeUser:
     @property
     def native(self) -> bool:
         return self._link is not None
+
+    @property
+    def link(self) -> _NativeLink | None:
+        """The native copier's loop side, if the copies go through it."""
+        return self._link
 
     @property
     def pending(self) -> int:
@@ -229,6 +243,16 @@ class HostCopier(_NativeUser):
                   error: BaseException | None) -> None:
         self._in_thread[to_slot] -= 1
         on_done(error)
+
+    def settled_event(self, to_slot: bool) -> HostEvent:
+        """An event for a batch whose copies are all done (a pump's): set already."""
+        event = HostEvent()
+        event.set()
+        return event
+
+    def pump_dev_slots(self, slot_addrs: Sequence[int]) -> Any:
+        """Device staging slots for pumps' copy jobs: none in CPU mode."""
+        return None
 
     def marker(self, to_slot: bool, then: Callable[[Any], None]) -> None:
         """``then(event)`` runs on the loop; ``event`` is set once every copy enqueued so far is done."""
@@ -527,6 +551,18 @@ class CudaCopier(_NativeUser):
         marker = _Marker(then, len(self._lanes[to_slot]))
         for lane in self._lanes[to_slot]:
             lane.queue.put(marker)
+
+    def settled_event(self, to_slot: bool) -> Any:
+        """An event for a batch whose copies are all done (a pump's: the bridge saw their events):
+        a torch.cuda.Event recorded now on the direction's stream, for callers to wait on."""
+        return self._record(self._lanes[to_slot][0].stream)
+
+    def pump_dev_slots(self, slot_addrs: Sequence[int]) -> Any:
+        """The device staging slot of each of ``slot_addrs`` (the pool's slots in order), as the
+        uint64 C array pumps' copy jobs read; None without the staged path."""
+        if self._staging is None:
+            return None
+        return dev_slot_array(self._staging.dev_slots(slot_addrs))
 
     def _record(self, stream: Any) -> Any:
         """A torch event recorded now on ``stream``: after every copy enqueued on it so far."""

@@ -22,12 +22,21 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from uring_kv._bridge import Bridge
-from uring_kv._copy import CudaCopier, HostCopier, HostEvent, staged_kernel_preparer
+from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op, UringBackend, open_backend
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
-from uring_kv._native import STAGED_MAX, BlockCopier, NativePump, PumpsBusy, bitmap, block_array, check_blocks
+from uring_kv._native import (
+    STAGED_MAX,
+    BlockCopier,
+    NativePump,
+    PumpCopies,
+    PumpsBusy,
+    bitmap,
+    block_array,
+    check_blocks,
+)
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
 from uring_kv.metrics import DirectionMetrics
@@ -72,10 +81,10 @@ class _Args(NamedTuple):
 
 @dataclass(eq=False)
 class _Pumped:
-    """A CPU-mode batch carried by a native pump: the blocks start, complete and are copied in C,
-    with no Python object, future or handler per block. Hazards are per batch: ``phase_done``
-    stands for every block's read (load) or write (store), and ``deps`` are the hazards of all its
-    blocks, cleared before the first one starts."""
+    """A batch carried by a native pump: the blocks start, complete and are copied (or their copy
+    jobs queued and collected) in C, with no Python object, future or handler per block. Hazards
+    are per batch: ``phase_done`` stands for every block's read (load) or write (store), and
+    ``deps`` are the hazards of all its blocks, cleared before the first one starts."""
 
     batch: _Batch
     disk: list[int]
@@ -308,15 +317,24 @@ class Engine:
             self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
         staged = isinstance(self.copier, CudaCopier) and self.copier.staged
         self._copy_call_blocks = STAGED_MAX if staged else max(1, COPY_CALL_PIECES // len(self._tensors))
-        # CPU mode on io_uring runs batches in native pumps when a block's copy may run on the loop
-        # (as inline copies do), nothing per block needs Python (checksums, slowed copies) and the
-        # I/O depth is the slot count (a pump keeps an I/O in every slot it holds).
-        self._pumped_batches = (isinstance(self.io, UringBackend) and isinstance(self.copier, HostCopier)
-                                and self.copier.inline_blocks >= 1 and not self.checksum and not capped
-                                and os.environ.get("URING_KV_PUMP", "1") != "0")
-        # Pumped loads of a buffered file read straight into the cache tensors (O_DIRECT would need
-        # every piece aligned; IOV_MAX bounds the pieces of one read).
-        self._pump_scatter = (not self.file.direct and len(self._tensors) <= PUMP_SCATTER_MAX_TENSORS
+        # Batches on io_uring run in native pumps unless something per block needs Python
+        # (checksums). Their copies are memcpys in the reap when a block's copy may run on the loop
+        # (CPU mode's inline copies; then the I/O depth must be the slot count: such a pump keeps an
+        # I/O in every slot it holds), else jobs for the native copier (GPU mode, large or slowed
+        # host copies), whose finished jobs the ring then collects (their slots move on in C).
+        uring = isinstance(self.io, UringBackend) and os.environ.get("URING_KV_PUMP", "1") != "0"
+        inline = isinstance(self.copier, HostCopier) and self.copier.inline_blocks >= 1
+        link = self.copier.link
+        self._pump_copies: PumpCopies | None = None
+        self._pumped_batches = uring and not self.checksum and (not capped if inline else link is not None)
+        if self._pumped_batches and not inline and link is not None:
+            assert isinstance(self.io, UringBackend)
+            dev_slots = self.copier.pump_dev_slots([lease.addr for lease in self.pool.leases])
+            self._pump_copies = PumpCopies(link.jobs, self._copy_call_blocks, dev_slots)
+            link.take = functools.partial(self.io.copies_done, link.jobs)
+        # Pumped loads of a buffered file read straight into the cache tensors in CPU mode (O_DIRECT
+        # would need every piece aligned; IOV_MAX bounds the pieces of one read).
+        self._pump_scatter = (not self.gpu and not self.file.direct and len(self._tensors) <= PUMP_SCATTER_MAX_TENSORS
                               and os.environ.get("URING_KV_PUMP_SCATTER", "1") != "0")
 
     def _release(self) -> None:
@@ -488,7 +506,7 @@ class Engine:
             pump = self.io.pump(kind is Kind.STORE, self.file.fd, self.file.stride, self._blocks,
                                 self.file.offsets(args.disk_c, n), args.gpu_c, n, self.pool.waiting, self.num_slots,
                                 lambda: self._pump_progress(holder[0]), inline=self._pump_inline,
-                                scatter=kind is Kind.LOAD and self._pump_scatter)
+                                scatter=kind is Kind.LOAD and self._pump_scatter, copies=self._pump_copies)
         except PumpsBusy:
             return None
         phase_done = self._svc.create_future()
@@ -511,7 +529,7 @@ class Engine:
             for fut, reads in self._batch_reads.items():
                 if not reads.isdisjoint(disk):
                     deps[id(fut)] = fut
-        run = _Pumped(self._new_batch(kind, None, len(disk)), disk, list(deps.values()), phase_done, pump)
+        run = _Pumped(self._new_batch(kind, args.after, len(disk)), disk, list(deps.values()), phase_done, pump)
         self._pumped_count += 1
         holder.append(run)
         return run
@@ -595,10 +613,8 @@ class Engine:
         else:
             self._pump_phase_finished(run)
         self._metrics[batch.kind].slot_wait_s.observe(0.0, max(0, started - run.waits))
-        if started:
-            event = HostEvent()
-            event.set()
-            batch.last_event = event
+        if started:  # every copy of the batch is done: an event that has fired (GPU: once recorded)
+            batch.last_event = self.copier.settled_event(batch.kind is Kind.STORE)
         batch.remaining = batch.to_enqueue = 0
         batch.enqueued.set_result(batch.last_event)
         if run.wake is not None and not run.wake.done():

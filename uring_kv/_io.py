@@ -36,7 +36,17 @@ from typing import Any
 from uring_kv._env import env_count
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
-from uring_kv._native import BlockCopier, NativePump, NativeRing, Opcode, SetupFlag, SqeFlag, os_error
+from uring_kv._native import (
+    BlockCopier,
+    CopyJobs,
+    NativePump,
+    NativeRing,
+    Opcode,
+    PumpCopies,
+    SetupFlag,
+    SqeFlag,
+    os_error,
+)
 from uring_kv.errors import UringUnavailable
 
 
@@ -181,21 +191,43 @@ class UringBackend(IOBackend):
         self._pump_slots = 0  # slots held by native pumps: each may have an op in flight
         self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
         ring.reap_budget_ns = env_count("URING_KV_REAP_BUDGET_US", REAP_BUDGET_US) * 1000
+        ring.pump_depth(self._capacity)  # pumps whose slots outnumber the depth park the rest
 
     def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any,
              nblocks: int, waiting: Any, max_slots: int,
-             on_progress: Callable[[], None], inline: bool = False, scatter: bool = False) -> NativePump:
-        """A native pump on this ring (see :class:`NativePump`, also for ``scatter``); ``on_progress()``
-        runs on the loop after each reap in which the pump moved. ``inline``: no IOSQE_ASYNC on its
-        SQEs even when the backend sets it (page-cache hits are copied inside the submission, on this
+             on_progress: Callable[[], None], inline: bool = False, scatter: bool = False,
+             copies: PumpCopies | None = None) -> NativePump:
+        """A native pump on this ring (see :class:`NativePump`, also for ``scatter`` and ``copies``);
+        ``on_progress()`` runs on the loop after each reap (or collection of its copy jobs, see
+        :meth:`copies_done`) in which the pump moved. ``inline``: no IOSQE_ASYNC on its SQEs even
+        when the backend sets it (page-cache hits are copied inside the submission, on this
         thread). Raises :class:`PumpsBusy` when none is free."""
         sqe_flags = 0 if inline else self._sqe_flags
         if fd in self._fixed_fd:
             fd, sqe_flags = self._fixed_fd[fd], sqe_flags | _FIXED_FILE
         pump = NativePump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
-                          cache_blocks, nblocks, waiting, max_slots, scatter)
+                          cache_blocks, nblocks, waiting, max_slots, scatter, copies)
         self._pump_handlers[pump] = on_progress
         return pump
+
+    def copies_done(self, jobs: CopyJobs) -> list[tuple[int, int, int, int]]:
+        """The native copier's finished jobs (see :meth:`CopyJobs.done`): those of this ring's
+        pumps are handled in C, then the handlers of the pumps that moved run; the rest are
+        returned."""
+        self._check_owner()
+        ring = self._ring
+        done = jobs.done(ring)
+        self._pumps_moved(ring)
+        return done
+
+    def _pumps_moved(self, ring: NativeRing) -> None:
+        if ring.refill_error is not None:
+            self._svc.report("uring_kv could not submit pump refills", ring.refill_error)
+        for pump in ring.touched:
+            try:
+                self._pump_handlers[pump]()
+            except Exception as exc:  # one bad handler must not stop the others
+                self._svc.report("uring_kv pump handler failed", exc)
 
     def pump_slots(self, pump: NativePump, slots: Sequence[int], addrs: Sequence[int]) -> None:
         """Give ``pump`` more slots (pool index = registered-buffer index, address); each counts
@@ -276,13 +308,7 @@ class UringBackend(IOBackend):
         if ring.more and not self._reap_again:  # completions left over for a later loop turn
             self._reap_again = True
             self._svc.call_soon(self._reap_later)
-        if ring.refill_error is not None:
-            self._svc.report("uring_kv could not submit pump refills", ring.refill_error)
-        for pump in ring.touched:
-            try:
-                self._pump_handlers[pump]()
-            except Exception as exc:  # one bad handler must not stop the others
-                self._svc.report("uring_kv pump handler failed", exc)
+        self._pumps_moved(ring)
         if not self._continuing:
             self._run_completions()
 

@@ -50,6 +50,12 @@ struct ukv_ring {
     struct io_uring ring;
     unsigned flags, features, cq_entries;
     struct ukv_pump *pumps[UKV_MAX_PUMPS]; /* attached pumps, by id (see ukv_pump_attach) */
+    unsigned io_cap;      /* most pump I/Os in flight at once (0: no limit), see ukv_ring_pump_depth */
+    unsigned io_inflight; /* pump I/Os in flight */
+    unsigned io_peak;     /* the most there ever were */
+    unsigned nparked;     /* pumps' slots waiting for room under io_cap */
+    int32_t touched[UKV_MAX_PUMPS]; /* pumps that moved in this call, each once */
+    unsigned ntouched;
 };
 
 int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct ukv_ring **out) {
@@ -132,14 +138,28 @@ int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n) {
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Pumps: a CPU-mode batch run in C. Python hands a pump the batch's blocks (file offset, cache block)
- * and, as it acquires them, staging slots. Each slot carries one block at a time: for a load, read
- * into the slot, then (on the CQE) memcpy the slot into every cache tensor; for a store, memcpy the
- * tensors into the slot, then write it. When a slot's block is done the pump starts the next block
- * in the same slot, unless the batch is stopped, finished, or another batch waits for a slot
- * (`waiting`: the pool's waiter counts, loads first); then the slot is handed back to Python, which
- * releases its lease. So a slot is only ever released after the last user of it (the kernel's
- * read/write and the memcpy) is done, exactly as in the Python path, with no Python per block. */
+ * Pumps: a batch run in C. Python hands a pump the batch's blocks (file offset, cache block) and,
+ * as it acquires them, staging slots. Each slot carries one block at a time: for a load, read into
+ * the slot, then (on the CQE) copy the slot into every cache tensor; for a store, copy the tensors
+ * into the slot, then write it. When a slot's block is done the pump starts the next block in the
+ * same slot, unless the batch is stopped, finished, or another batch waits for a slot (`waiting`:
+ * the pool's waiter counts, loads first); then the slot is handed back to Python, which releases
+ * its lease. So a slot is only ever released after the last user of it (the kernel's read/write
+ * and the copy) is done, exactly as in the Python path, with no Python per block.
+ *
+ * The copies are memcpys inside the reap (small CPU-mode blocks), or, given a native copier, copy
+ * jobs for its threads (CUDA, or large host blocks): the reap queues a job for the slots whose
+ * reads completed, and the loop's collection of finished jobs (ukv_copier_done with the ring)
+ * moves those slots on: the next block, or back to Python. Under a ring-wide cap on pump I/Os
+ * (the engine's io_depth, below its slot count) a slot whose next step is an I/O waits, parked,
+ * for room; loads' pumps get room first. */
+enum { SLOT_FREE = 0, SLOT_IDLE, SLOT_IO, SLOT_COPY }; /* IDLE: held, parked for I/O room */
+
+struct ukv_copier;
+static int copier_put_pump(struct ukv_copier *c, struct ukv_pump *p, const uint32_t *slots, unsigned n);
+struct ukv_pump;
+static void pump_flush(struct ukv_pump *p);
+
 struct ukv_pump {
     int id, write, fd, fixed_buffers;
     unsigned sqe_flags;
@@ -163,6 +183,14 @@ struct ukv_pump {
     uint32_t *failed;          /* blocks that failed, with their errno */
     int32_t *fail_errno;
     unsigned nfailed;
+    struct ukv_copier *copier; /* copies go to its threads (NULL: memcpy in the reap) */
+    const uint64_t *dev_slots; /* CUDA: the device staging slot of each pool slot, else NULL */
+    unsigned copy_blocks;      /* most blocks per copy job */
+    uint8_t *state;            /* SLOT_* of each slot */
+    uint32_t *copy_q;          /* slots whose copy is due, not yet queued as a job */
+    unsigned ncopy;
+    uint32_t *parked;          /* held slots waiting for I/O room, a ring buffer from park_head */
+    unsigned park_head, nparked;
 };
 
 static void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
@@ -179,15 +207,18 @@ static void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t 
  * with ukv_pump_free); offsets, cache, the tensor table and `waiting` belong to the caller and must
  * outlive it. `scatter` (loads only): read each block straight into its cache pieces (one READV,
  * an iovec per tensor) instead of into the slot and then memcpy; the slot then only stands for
- * a place in the queue depth. NULL when out of memory. */
+ * a place in the queue depth. `copier` (or NULL): copies go to its threads as jobs of at most
+ * `copy_blocks` blocks; `dev_slots` (CUDA, or NULL) and `copier` belong to the caller too. NULL
+ * when out of memory. */
 struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
                               unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                               const uint64_t *slot_offsets, unsigned nblocks, const uint64_t *offsets,
-                              const int64_t *cache, const int32_t *waiting, unsigned max_slots, int scatter) {
+                              const int64_t *cache, const int32_t *waiting, unsigned max_slots, int scatter,
+                              struct ukv_copier *copier, const uint64_t *dev_slots, unsigned copy_blocks) {
     size_t slots = max_slots ? max_slots : 1, blocks = nblocks ? nblocks : 1;
     size_t iovs = scatter && !write ? slots * ntensors : 0;
     struct ukv_pump *p = calloc(1, sizeof *p + slots * sizeof(uint64_t) + iovs * sizeof(struct iovec) +
-                                       slots * (2 * sizeof(int32_t) + sizeof(uint32_t)) +
+                                       slots * (2 * sizeof(int32_t) + 3 * sizeof(uint32_t) + 1) +
                                        blocks * (sizeof(uint32_t) + sizeof(int32_t)));
     if (!p) return NULL;
     p->id = -1; p->write = write; p->fd = fd; p->sqe_flags = sqe_flags; p->fixed_buffers = fixed_buffers;
@@ -201,6 +232,10 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
     p->released = (uint32_t *)(p->slot_block + slots);
     p->failed = p->released + slots;
     p->fail_errno = (int32_t *)(p->failed + blocks);
+    p->copy_q = (uint32_t *)(p->fail_errno + blocks);
+    p->parked = p->copy_q + slots;
+    p->state = (uint8_t *)(p->parked + slots);
+    p->copier = copier; p->dev_slots = dev_slots; p->copy_blocks = copy_blocks ? copy_blocks : 1;
     p->expect = stride;
     if (p->slot_iov) {
         p->expect = 0;
@@ -251,17 +286,27 @@ void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p) {
     p->id = -1;
 }
 
-/* Start the pump's next block in slot position s (queued, not yet submitted). 0 or -EBUSY. */
-static int pump_start(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+static struct io_uring_sqe *get_sqe(struct ukv_ring *r) {
     struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
-    if (!sqe) {
-        if (submit_retry(&r->ring) < 0) return -EBUSY;
-        sqe = io_uring_get_sqe(&r->ring);
-        if (!sqe) return -EBUSY;
+    if (!sqe && submit_retry(&r->ring) >= 0) sqe = io_uring_get_sqe(&r->ring);
+    return sqe;
+}
+
+static int ring_has_room(const struct ukv_ring *r) { return !r->io_cap || r->io_inflight < r->io_cap; }
+
+static void touch(struct ukv_ring *r, struct ukv_pump *p) {
+    if (!p->touched) {
+        p->touched = 1;
+        r->touched[r->ntouched++] = p->id;
     }
-    unsigned b = p->next++;
+}
+
+/* Queue the I/O of the block in slot s: a read into the slot, or a write of it. 0 or -EBUSY. */
+static int pump_io(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+    struct io_uring_sqe *sqe = get_sqe(r);
+    if (!sqe) return -EBUSY;
+    unsigned b = (unsigned)p->slot_block[s];
     void *slot = (void *)(uintptr_t)p->slot_addr[s];
-    if (p->write) copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 1, p->slot_addr[s], p->cache[b]);
     int buf = p->fixed_buffers ? p->slot_buf[s] : -1;
     if (p->slot_iov) {
         struct iovec *iov = p->slot_iov + (size_t)s * p->ntensors;
@@ -276,9 +321,43 @@ static int pump_start(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     else io_uring_prep_read(sqe, p->fd, slot, p->stride, p->offsets[b]);
     sqe->flags |= p->sqe_flags;
     io_uring_sqe_set_data64(sqe, UKV_PUMP_TAG | ((uint64_t)p->id << 32) | s);
-    p->slot_block[s] = (int32_t)b;
-    p->inflight++;
+    p->state[s] = SLOT_IO;
+    if (++r->io_inflight > r->io_peak) r->io_peak = r->io_inflight;
     return 0;
+}
+
+static void pump_park(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+    p->state[s] = SLOT_IDLE;
+    p->parked[(p->park_head + p->nparked++) % p->max_slots] = s;
+    r->nparked++;
+}
+
+static void pump_due_copy(struct ukv_pump *p, unsigned s) {
+    p->state[s] = SLOT_COPY;
+    p->copy_q[p->ncopy++] = s;
+}
+
+/* Start the pump's next block in the idle slot s it holds: a store with a copier first queues the
+ * block's copy into the slot; anything else starts the block's I/O (after a memcpy into the slot
+ * for a store without one), or parks the slot while the ring is at its cap. 0, or -EBUSY when no
+ * SQE could be had (nothing started). */
+static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+    int copy_first = p->write && p->copier;
+    if (!copy_first && !ring_has_room(r)) {
+        pump_park(r, p, s);
+        return 0;
+    }
+    unsigned b = p->next++;
+    p->slot_block[s] = (int32_t)b;
+    if (copy_first) {
+        pump_due_copy(p, s);
+        return 0;
+    }
+    if (p->write) copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 1, p->slot_addr[s], p->cache[b]);
+    if (pump_io(r, p, s) == 0) return 0;
+    p->next--;
+    p->slot_block[s] = -1;
+    return -EBUSY;
 }
 
 static int pump_may_refill(const struct ukv_pump *p) {
@@ -289,45 +368,147 @@ static int pump_may_refill(const struct ukv_pump *p) {
 
 static void pump_release(struct ukv_pump *p, unsigned s) {
     p->slot_block[s] = -1;
+    p->state[s] = SLOT_FREE;
+    p->inflight--;
     p->released[p->nreleased++] = s;
 }
 
-/* Give the pump n more slots (slots[i]: the pool's index of the slot, below max_slots) and start a
- * block in each (while blocks are left); submits. Returns how many blocks were started, -EINVAL
- * for a slot it holds already, or -errno when the submission failed. */
-int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
-                       const uint64_t *addrs, const int32_t *bufs) {
-    int started = 0;
-    for (unsigned i = 0; i < n; i++) {
-        unsigned s = slots[i];
-        if (s >= p->max_slots || p->slot_block[s] >= 0) return -EINVAL; /* not a slot it may be given */
-        p->slot_addr[s] = addrs[i];
-        p->slot_buf[s] = bufs[i];
-        if (!p->stop && p->next < p->nblocks && pump_start(r, p, s) == 0) started++;
-        else pump_release(p, s);
-    }
-    int ret = submit_retry(&r->ring);
-    return ret < 0 ? ret : started;
+static void pump_failed(struct ukv_pump *p, unsigned s, int err) {
+    p->failed[p->nfailed] = (uint32_t)p->slot_block[s];
+    p->fail_errno[p->nfailed++] = err;
 }
 
-static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int32_t res) {
-    int32_t b = s < p->max_slots ? p->slot_block[s] : -1;
-    if (b < 0) return; /* not ours: never happens while Python keeps the pump attached */
-    p->inflight--;
-    if ((uint64_t)(int64_t)res != p->expect) {
-        p->failed[p->nfailed] = (uint32_t)b;
-        p->fail_errno[p->nfailed++] = res < 0 ? -res : EIO;
-    } else if (!p->write && !p->slot_iov) {
-        copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 0, p->slot_addr[s], p->cache[b]);
-    }
-    if (pump_may_refill(p) && pump_start(r, p, s) == 0) return;
+/* Slot s is done with its block: the next one, or back to Python. */
+static void pump_next_or_release(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+    p->slot_block[s] = -1;
+    p->state[s] = SLOT_IDLE;
+    if (pump_may_refill(p) && pump_begin(r, p, s) == 0) return;
     pump_release(p, s);
+}
+
+/* Give the pump n more slots (slots[i]: the pool's index of the slot, below max_slots) and start a
+ * block in each (while blocks are left); queues their copies and submits. Returns how many slots
+ * it kept, -EINVAL for a slot it holds already, or -errno when the submission failed. */
+int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
+                       const uint64_t *addrs, const int32_t *bufs) {
+    int kept = 0;
+    for (unsigned i = 0; i < n; i++) {
+        unsigned s = slots[i];
+        if (s >= p->max_slots || p->state[s] != SLOT_FREE) return -EINVAL; /* not a slot it may be given */
+        p->slot_addr[s] = addrs[i];
+        p->slot_buf[s] = bufs[i];
+        p->inflight++;
+        p->state[s] = SLOT_IDLE;
+        if (!p->stop && p->next < p->nblocks && pump_begin(r, p, s) == 0) kept++;
+        else pump_release(p, s);
+    }
+    if (p->ncopy) pump_flush(p);
+    int ret = submit_retry(&r->ring);
+    return ret < 0 ? ret : kept;
+}
+
+/* A pump I/O's CQE. */
+static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int32_t res) {
+    if (s >= p->max_slots || p->state[s] != SLOT_IO) return; /* not ours: never while Python keeps it attached */
+    r->io_inflight--;
+    if ((uint64_t)(int64_t)res != p->expect) {
+        pump_failed(p, s, res < 0 ? -res : EIO);
+    } else if (!p->write && !p->slot_iov) {
+        if (p->copier) {
+            pump_due_copy(p, s);
+            return;
+        }
+        copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 0, p->slot_addr[s], p->cache[p->slot_block[s]]);
+    }
+    pump_next_or_release(r, p, s);
+}
+
+/* A copy job of the slot's block is over (rc: 0, or why it failed). */
+static void pump_copied(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int rc) {
+    if (s >= p->max_slots || p->state[s] != SLOT_COPY) return;
+    if (rc) {
+        pump_failed(p, s, EIO);
+    } else if (p->write) { /* the block is in the slot: write it */
+        if (!ring_has_room(r)) {
+            pump_park(r, p, s);
+            return;
+        }
+        if (pump_io(r, p, s) == 0) return;
+        pump_failed(p, s, EBUSY);
+    }
+    pump_next_or_release(r, p, s);
+}
+
+/* Queue the pump's due copies as copy jobs. A job the copier refuses (no memory, or stopping)
+ * fails its blocks, and their slots go back to Python. */
+static void pump_flush(struct ukv_pump *p) {
+    for (unsigned first = 0; first < p->ncopy; first += p->copy_blocks) {
+        unsigned n = p->ncopy - first < p->copy_blocks ? p->ncopy - first : p->copy_blocks;
+        if (copier_put_pump(p->copier, p, p->copy_q + first, n) == 0) continue;
+        for (unsigned i = 0; i < n; i++) {
+            unsigned s = p->copy_q[first + i];
+            pump_failed(p, s, EIO);
+            pump_release(p, s);
+        }
+    }
+    p->ncopy = 0;
+}
+
+/* Parked slots take the room there is, loads' pumps first; then every due copy is queued. Pumps
+ * that moved are marked touched. */
+static void pumps_settle(struct ukv_ring *r) {
+    for (int write = 0; write < 2 && r->nparked && ring_has_room(r); write++) {
+        for (int id = 0; id < UKV_MAX_PUMPS && ring_has_room(r); id++) {
+            struct ukv_pump *p = r->pumps[id];
+            if (!p || p->write != write || !p->nparked) continue;
+            touch(r, p);
+            while (p->nparked && ring_has_room(r)) {
+                unsigned s = p->parked[p->park_head];
+                p->park_head = (p->park_head + 1) % p->max_slots;
+                p->nparked--;
+                r->nparked--;
+                if (p->slot_block[s] >= 0) { /* a store's block, copied into the slot: write it */
+                    if (pump_io(r, p, s) == 0) continue;
+                    pump_failed(p, s, EBUSY);
+                    pump_next_or_release(r, p, s);
+                } else if (!(pump_may_refill(p) && pump_begin(r, p, s) == 0)) {
+                    pump_release(p, s);
+                }
+            }
+        }
+    }
+    for (int id = 0; id < UKV_MAX_PUMPS; id++) {
+        struct ukv_pump *p = r->pumps[id];
+        if (p && p->ncopy) {
+            touch(r, p);
+            pump_flush(p);
+        }
+    }
+}
+
+/* Hand the caller the pumps touched since ntouched was last cleared, and clear their marks. */
+static void take_touched(struct ukv_ring *r, int32_t *touched, unsigned *ntouched) {
+    for (unsigned i = 0; i < r->ntouched; i++) {
+        touched[i] = r->touched[i];
+        r->pumps[r->touched[i]]->touched = 0;
+    }
+    *ntouched = r->ntouched;
+    r->ntouched = 0;
+}
+
+/* Pump I/Os in flight at once on this ring: at most `cap` (0: no limit). */
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap) { r->io_cap = cap; }
+
+/* Pump I/Os in flight now; *peak: the most there ever were at once. */
+unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak) {
+    *peak = r->io_peak;
+    return r->io_inflight;
 }
 
 static int64_t now_ns(void);
 
 /* Drain the CQ: up to max completions are returned, those of pump ops are handled here instead
- * (copy, refill the slot or hand it back). With DEFER_TASKRUN, completions are only posted when this
+ * (copy or queue the copy, refill the slot or hand it back). With DEFER_TASKRUN, completions are only posted when this
  * (the submitting) thread asks for them, hence io_uring_get_events first.
  * The refills are submitted before returning (*submit_error = -errno if that failed; they stay
  * queued in the SQ for the next submission). Reads and writes that the kernel completes inside the
@@ -342,7 +523,6 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
     struct io_uring_cqe *cqes[256];
     unsigned total = 0;
     int64_t deadline = budget_ns > 0 ? now_ns() + budget_ns : 0;
-    *ntouched = 0;
     *submit_error = 0;
     *more = 0;
     for (;;) {
@@ -360,10 +540,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
                     if (!p) continue;
                     pump_complete(r, p, (unsigned)(ud & 0xffffffffu), cqes[i]->res);
                     pumped++;
-                    if (!p->touched) {
-                        p->touched = 1;
-                        touched[(*ntouched)++] = (int32_t)id;
-                    }
+                    touch(r, p);
                     continue;
                 }
                 user_data[total] = ud;
@@ -372,6 +549,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
             io_uring_cq_advance(&r->ring, got);
         }
         if (!pumped) break;
+        pumps_settle(r);
         int ret = submit_retry(&r->ring);
         if (ret < 0) {
             *submit_error = ret;
@@ -383,7 +561,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
             break;
         }
     }
-    for (unsigned i = 0; i < *ntouched; i++) r->pumps[touched[i]]->touched = 0;
+    take_touched(r, touched, ntouched);
     return (int)total;
 }
 
@@ -701,6 +879,8 @@ struct ukv_job {
     unsigned n;
     uint64_t *slot_addrs, *dev_slots;
     int64_t *gpu_blocks;
+    struct ukv_pump *pump; /* a pump's job: its slots, and an event from the copier's own pool */
+    uint32_t *slots;
     uint64_t data[];
 };
 
@@ -731,14 +911,28 @@ struct ukv_copier {
     int64_t delay; /* host: ns of sleep before each copy job; CUDA: GPU cycles of spin_func */
     uint64_t spin_func;
     int32_t fail_rc, fail_where; /* fault injection: the next copy job fails so */
+    uint64_t *events;            /* CUDA: idle events for pump jobs (created as needed) */
+    unsigned nevents, events_cap;
+    unsigned pump_jobs;          /* pumps' jobs queued and not yet collected (loop thread only) */
     uint64_t ctx, func, table, used_bytes, streams[2];
     unsigned ntensors;
     uint64_t *bases, *block_bytes, *slot_offsets; /* point into tables[] */
     uint64_t tables[];
 };
 
-/* Called with the mutex held: the job's copies are over; 1 if the loop must be woken. */
+/* Called with the mutex held: the job's copies are over; 1 if the loop must be woken. A pump job's
+ * event goes back to the pool (it has fired, or its job failed and the stream was waited for). */
 static int finish(struct ukv_copier *c, struct ukv_job *j) {
+    if (j->pump && j->event) {
+        if (c->nevents == c->events_cap) {
+            unsigned cap = c->events_cap ? 2 * c->events_cap : 64;
+            uint64_t *grown = realloc(c->events, cap * sizeof *grown);
+            if (grown) { c->events = grown; c->events_cap = cap; }
+        }
+        if (c->nevents < c->events_cap) c->events[c->nevents++] = j->event;
+        else p_event_destroy(j->event); /* no memory to keep it: this thread has the context current */
+        j->event = 0;
+    }
     int wake = c->done.head == NULL;
     j->done_ns = now_ns();
     fifo_push(&c->done, j);
@@ -765,7 +959,7 @@ static void run_job(struct ukv_copier *c, struct ukv_job *j, int32_t fail_rc, in
         ukv_host_copy(c->ntensors, c->bases, c->block_bytes, c->slot_offsets, j->to_slot, j->n, j->slot_addrs,
                       j->gpu_blocks);
     } else {
-        if (c->delay > 0 && c->spin_func) { /* tests: the copies wait behind a kernel that only waits */
+        if (!j->rc && c->delay > 0 && c->spin_func) { /* tests: the copies wait behind a kernel that only waits */
             long long cycles = c->delay;
             void *params[] = {&cycles};
             j->rc = use_ctx(c->ctx);
@@ -798,7 +992,13 @@ static void *submit_main(void *arg) {
             fail_rc = c->fail_rc; fail_where = c->fail_where;
             c->fail_rc = 0;
         }
+        int own_event = c->cuda && j->pump;
+        if (own_event && c->nevents) j->event = c->events[--c->nevents];
         pthread_mutex_unlock(&c->mu);
+        if (own_event && !j->event && (j->rc = ukv_cuda_event_new(c->ctx, &j->event))) {
+            j->event = 0;
+            j->where = UKV_FAIL_ENQUEUE;
+        }
         run_job(c, j, fail_rc, fail_where);
         pthread_mutex_lock(&c->mu);
         if (c->cuda && j->kind == UKV_JOB_COPY && !j->rc) {
@@ -896,23 +1096,20 @@ void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where) {
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Queue a job (kind UKV_JOB_COPY with n blocks, or UKV_JOB_MARK with none). 0, -ENOMEM, or -EPIPE
- * once the copier is stopping. */
-int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
-                   const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
-                   uint64_t event) {
-    struct ukv_job *j = malloc(sizeof *j + 3 * (size_t)n * sizeof(uint64_t));
-    if (!j) return -ENOMEM;
+static struct ukv_job *job_new(uint64_t token, int kind, int to_slot, unsigned n, int pump) {
+    size_t words = 3 * (size_t)n + (pump ? ((size_t)n + 1) / 2 : 0);
+    struct ukv_job *j = malloc(sizeof *j + words * sizeof(uint64_t));
+    if (!j) return NULL;
     memset(j, 0, sizeof *j);
-    j->token = token; j->kind = kind; j->to_slot = !!to_slot; j->n = n; j->event = event;
+    j->token = token; j->kind = kind; j->to_slot = !!to_slot; j->n = n;
     j->slot_addrs = j->data;
     j->dev_slots = j->data + n;
     j->gpu_blocks = (int64_t *)(j->data + 2 * (size_t)n);
-    if (n) {
-        memcpy(j->slot_addrs, slot_addrs, n * sizeof(uint64_t));
-        if (dev_slots) memcpy(j->dev_slots, dev_slots, n * sizeof(uint64_t));
-        memcpy(j->gpu_blocks, gpu_blocks, n * sizeof(int64_t));
-    }
+    if (pump) j->slots = (uint32_t *)(j->data + 3 * (size_t)n);
+    return j;
+}
+
+static int job_queue(struct ukv_copier *c, struct ukv_job *j) {
     pthread_mutex_lock(&c->mu);
     int stopping = c->stop_submit;
     if (!stopping) {
@@ -924,23 +1121,86 @@ int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, 
     return 0;
 }
 
+/* Queue a job (kind UKV_JOB_COPY with n blocks, or UKV_JOB_MARK with none). 0, -ENOMEM, or -EPIPE
+ * once the copier is stopping. */
+int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
+                   const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
+                   uint64_t event) {
+    struct ukv_job *j = job_new(token, kind, to_slot, n, 0);
+    if (!j) return -ENOMEM;
+    j->event = event;
+    if (n) {
+        memcpy(j->slot_addrs, slot_addrs, n * sizeof(uint64_t));
+        if (dev_slots) memcpy(j->dev_slots, dev_slots, n * sizeof(uint64_t));
+        memcpy(j->gpu_blocks, gpu_blocks, n * sizeof(int64_t));
+    }
+    return job_queue(c, j);
+}
+
+/* A pump's copy job for the blocks in `slots` (H2D after reads for a load, D2H before writes for a
+ * store). Its token is UKV_PUMP_TAG | pump id << 32: the loop hands it back to the pump. */
+static int copier_put_pump(struct ukv_copier *c, struct ukv_pump *p, const uint32_t *slots, unsigned n) {
+    struct ukv_job *j = job_new(UKV_PUMP_TAG | ((uint64_t)p->id << 32), UKV_JOB_COPY, p->write, n, 1);
+    if (!j) return -ENOMEM;
+    j->pump = p;
+    c->pump_jobs++;
+    for (unsigned i = 0; i < n; i++) {
+        unsigned s = slots[i];
+        j->slots[i] = s;
+        j->slot_addrs[i] = p->slot_addr[s];
+        j->dev_slots[i] = p->dev_slots ? p->dev_slots[s] : 0;
+        j->gpu_blocks[i] = p->cache[p->slot_block[s]];
+    }
+    int rc = job_queue(c, j);
+    if (rc) c->pump_jobs--;
+    return rc;
+}
+
+/* Pumps' copy jobs queued and not yet collected. */
+unsigned ukv_copier_pump_jobs(struct ukv_copier *c) { return c->pump_jobs; }
+
 /* Take up to `max` finished jobs, oldest first: token, result (0 or a CUresult), where it failed
  * (UKV_FAIL_*), and when it was seen finished (CLOCK_MONOTONIC ns). Clears the eventfd first, so a
- * job finished after this call wakes the loop again. */
-unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
-                         int64_t *done_ns) {
+ * job finished after this call wakes the loop again. Pumps' jobs (token with UKV_PUMP_TAG) are
+ * handled here, on `r` (the ring of the pumps, or NULL when there are none): their slots move on
+ * (the next block's I/O or copy, or back to Python), the refills are submitted (*submit_error =
+ * -errno if that failed) and the pumps that moved are in `touched` (*ntouched of them). */
+unsigned ukv_copier_done(struct ukv_copier *c, struct ukv_ring *r, unsigned max, uint64_t *tokens, int32_t *rcs,
+                         int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched,
+                         int *submit_error) {
     uint64_t count;
     while (read(c->efd, &count, sizeof count) < 0 && errno == EINTR) {}
+    struct ukv_fifo taken = {NULL, NULL};
     unsigned k = 0;
     pthread_mutex_lock(&c->mu);
     struct ukv_job *j;
     while (k < max && (j = fifo_pop(&c->done))) {
-        tokens[k] = j->token; rcs[k] = j->rc; wheres[k] = j->where; done_ns[k] = j->done_ns;
+        fifo_push(&taken, j);
         k++;
-        free(j);
     }
     if (c->done.head) wake_loop(c); /* more than max: the loop comes back for the rest */
     pthread_mutex_unlock(&c->mu);
+    *ntouched = 0;
+    *submit_error = 0;
+    int pumped = 0;
+    for (unsigned i = 0; (j = fifo_pop(&taken)); i++) {
+        tokens[i] = j->token; rcs[i] = j->rc; wheres[i] = j->where; done_ns[i] = j->done_ns;
+        if (j->pump) c->pump_jobs--;
+        unsigned id = (unsigned)((j->token >> 32) & 0x7fffffff);
+        /* (a pump holds a job's slots until the job is collected, so it is still attached) */
+        if (j->pump && r && id < UKV_MAX_PUMPS && r->pumps[id] == j->pump) {
+            for (unsigned b = 0; b < j->n; b++) pump_copied(r, j->pump, j->slots[b], j->rc);
+            touch(r, j->pump);
+            pumped = 1;
+        }
+        free(j);
+    }
+    if (pumped) {
+        pumps_settle(r);
+        int ret = submit_retry(&r->ring);
+        if (ret < 0) *submit_error = ret;
+        take_touched(r, touched, ntouched);
+    }
     return k;
 }
 
@@ -969,6 +1229,9 @@ void ukv_copier_free(struct ukv_copier *c) {
         struct ukv_job *j;
         while ((j = fifo_pop(lists[i]))) free(j);
     }
+    if (c->nevents && use_ctx(c->ctx) == 0)
+        for (unsigned i = 0; i < c->nevents; i++) p_event_destroy(c->events[i]);
+    free(c->events);
     if (c->efd >= 0) close(c->efd);
     pthread_cond_destroy(&c->work_cv[0]);
     pthread_cond_destroy(&c->work_cv[1]);

@@ -13,6 +13,7 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from uring_kv._native_c import ffi, lib
@@ -125,6 +126,21 @@ class NativeRing:
         packed = b"".join([_OP_LAYOUT.pack(*sqe) for sqe in sqes])
         _check(_lib.ukv_submit(self._ring, ffi.from_buffer("struct ukv_op[]", packed), len(sqes)), "io_uring_submit")
 
+    def pump_depth(self, cap: int) -> None:
+        """At most ``cap`` pump I/Os in flight at once (0: no limit); pumps' slots wait for room."""
+        _lib.ukv_ring_pump_depth(self._ring, cap)
+
+    def pump_io(self) -> tuple[int, int]:
+        """(pump I/Os in flight now, the most there ever were at once)."""
+        peak = ffi.new("unsigned *")
+        now = _lib.ukv_ring_pump_io(self._ring, peak)
+        return int(now), int(peak[0])
+
+    def _touched_pumps(self) -> None:
+        if self._ntouched[0]:
+            pumps = self.pumps
+            self.touched.extend(pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
+
     def reap(self) -> list[tuple[int, int]]:
         """Every completion the CQ holds now, as (user_data, res); completions of pump ops are
         handled in C (see :class:`NativePump`) and the pumps that moved are in ``touched``. If
@@ -144,9 +160,7 @@ class NativeRing:
                                        self._more)
             if self._submit_error[0]:
                 self.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
-            if self._ntouched[0]:
-                pumps = self.pumps
-                self.touched.extend(pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
+            self._touched_pumps()
             if got:
                 done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
             if got < self._reap_cap:
@@ -158,8 +172,19 @@ class PumpsBusy(RuntimeError):
     """Every pump id of the ring is in use (the caller runs the batch the Python way)."""
 
 
+@dataclass(frozen=True)
+class PumpCopies:
+    """Where a pump's copies go instead of memcpys in the reap: ``jobs`` (the native copier), at
+    most ``blocks`` blocks per job; ``dev_slots`` (CUDA staged copies, else None) is a uint64 C
+    array of every pool slot's device staging slot."""
+
+    jobs: CopyJobs
+    blocks: int
+    dev_slots: Any = None
+
+
 class NativePump:
-    """A CPU-mode batch run in C on ``ring``: see ``struct ukv_pump`` in _native.c.
+    """A batch run in C on ``ring``: see ``struct ukv_pump`` in _native.c.
 
     Blocks ``i`` go between file offset ``offsets[i]`` and cache block ``cache_blocks[i]`` of every
     tensor of ``blocks``; ``waiting`` (an int32[2] from :func:`counters`) are the slot pool's waiter
@@ -170,17 +195,23 @@ class NativePump:
 
     def __init__(self, ring: NativeRing, write: bool, fd: int, sqe_flags: int, fixed_buffers: bool,
                  stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any, nblocks: int,
-                 waiting: Any, max_slots: int, scatter: bool = False) -> None:
+                 waiting: Any, max_slots: int, scatter: bool = False, copies: PumpCopies | None = None) -> None:
         """``offsets`` (uint64) and ``cache_blocks`` (int64) are C arrays of ``nblocks`` entries
         (see :func:`block_array` and :func:`scaled`). ``scatter`` (loads): read each block straight
-        into its pieces of the cache tensors (an iovec each) instead of into the slot, then memcpy."""
+        into its pieces of the cache tensors (an iovec each) instead of into the slot, then memcpy.
+        ``copies``: the copies are jobs for the native copier (whose finished jobs must then be
+        collected with this ring, see :meth:`CopyJobs.done`)."""
         ntensors, bases, block_bytes, slot_offsets = blocks.c_table()
+        copier = copies.jobs.handle if copies is not None else ffi.NULL
+        dev_slots = copies.dev_slots if copies is not None and copies.dev_slots is not None else ffi.NULL
         raw = _lib.ukv_pump_new(int(write), fd, sqe_flags, int(fixed_buffers), stride, ntensors, bases, block_bytes,
-                                slot_offsets, nblocks, offsets, cache_blocks, waiting, max_slots, int(scatter))
+                                slot_offsets, nblocks, offsets, cache_blocks, waiting, max_slots, int(scatter),
+                                copier, dev_slots, copies.blocks if copies is not None else 1)
         if raw == ffi.NULL:
             raise MemoryError("no memory for a pump")
         p = ffi.gc(raw, _lib.ukv_pump_free)
-        self._p, self._keep, self._ring, self.nblocks = p, (offsets, cache_blocks, blocks, waiting), ring, nblocks
+        self._p, self._ring, self.nblocks = p, ring, nblocks
+        self._keep = (offsets, cache_blocks, blocks, waiting, copies)
         pump_id = _lib.ukv_pump_attach(ring._ring, p)
         if pump_id < 0:
             raise PumpsBusy(f"all {int(_lib.UKV_MAX_PUMPS)} pumps of the ring are in use")
@@ -232,6 +263,11 @@ class NativePump:
         if self._p.id >= 0:
             self._ring.pumps.pop(int(self._p.id), None)
             _lib.ukv_pump_detach(self._ring._ring, self._p)
+
+
+def dev_slot_array(values: Sequence[int]) -> Any:
+    """Device addresses as a C uint64 array (see :class:`PumpCopies`)."""
+    return ffi.new("uint64_t[]", values)
 
 
 def block_array(values: list[int]) -> Any:
@@ -470,6 +506,9 @@ class CopyJobs:
         self._rcs = ffi.new("int32_t[]", self.BATCH)
         self._wheres = ffi.new("int32_t[]", self.BATCH)
         self._done_ns = ffi.new("int64_t[]", self.BATCH)
+        self._touched = ffi.new("int32_t[]", int(_lib.UKV_MAX_PUMPS))
+        self._ntouched = ffi.new("unsigned *")
+        self._submit_error = ffi.new("int *")
 
     def put(self, token: int, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
             dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
@@ -495,9 +534,32 @@ class CopyJobs:
         """Fault injection (tests): the next copy job runs, then is reported failed with ``rc``."""
         _lib.ukv_copier_fail_next(self._c, rc, where)
 
-    def done(self) -> list[tuple[int, int, int, int]]:
-        """Finished jobs, oldest first: (token, CUresult or 0, where it failed, CLOCK_MONOTONIC ns)."""
-        n = _lib.ukv_copier_done(self._c, self.BATCH, self._tokens, self._rcs, self._wheres, self._done_ns)
+    @property
+    def handle(self) -> Any:
+        if self._c is None:
+            raise RuntimeError("uring_kv: the native copier is closed")
+        return self._c
+
+    @property
+    def pump_jobs(self) -> int:
+        """Pumps' copy jobs queued and not yet collected."""
+        return int(_lib.ukv_copier_pump_jobs(self._c)) if self._c is not None else 0
+
+    def done(self, ring: NativeRing | None = None) -> list[tuple[int, int, int, int]]:
+        """Finished jobs, oldest first: (token, CUresult or 0, where it failed, CLOCK_MONOTONIC ns).
+        Pumps' jobs (``token & PUMP_TAG``) are handled in C on ``ring``, the ring of those pumps:
+        the pumps that moved are then in ``ring.touched``, and ``ring.refill_error`` says why
+        submitting their next I/Os failed, if it did."""
+        raw_ring = ring._ring if ring is not None else ffi.NULL
+        n = _lib.ukv_copier_done(self._c, raw_ring, self.BATCH, self._tokens, self._rcs, self._wheres, self._done_ns,
+                                 self._touched, self._ntouched, self._submit_error)
+        if ring is not None:
+            ring.touched = []
+            ring.refill_error = None
+            if self._ntouched[0]:
+                ring.touched.extend(ring.pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
+            if self._submit_error[0]:
+                ring.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
         return [(int(self._tokens[i]), int(self._rcs[i]), int(self._wheres[i]), int(self._done_ns[i]))
                 for i in range(n)]
 
@@ -508,5 +570,6 @@ class CopyJobs:
             self._c = None
 
 
+PUMP_TAG = 1 << 63  # tokens of pumps' copy jobs (UKV_PUMP_TAG)
 FAIL_ENQUEUE = int(_lib.UKV_FAIL_ENQUEUE)
 FAIL_WAIT = int(_lib.UKV_FAIL_WAIT)
