@@ -149,8 +149,9 @@ async def test_a_slowed_gpu_never_hands_a_slot_on_before_its_copy(tmp_path: Path
     """Two slots and every copy call held ~3 ms on the GPU (the native copier launches a kernel
     that only waits, the Python lanes torch's sleep) before its copies, on their stream: a slot
     reissued before its copy finished would hand the copy the next read's bytes. With the
-    protection removed (slots freed when their copy is enqueued) the same race must corrupt
-    blocks, or the kept case proves nothing."""
+    native copier the batches run in native pumps. With the protection removed (slots freed when
+    their copy is enqueued, block by block) the same race must corrupt blocks, or the kept case
+    proves nothing."""
     import time
 
     monkeypatch.setenv("URING_KV_NATIVE_COPIER", "1" if copier == "native" else "0")
@@ -164,4 +165,6 @@ async def test_a_slowed_gpu_never_hands_a_slot_on_before_its_copy(tmp_path: Path
         await engine.load_batch([0], [1])
         assert time.perf_counter() - start > 0.001, "the copy was not slowed"
         wrong = await seed_race(engine, caches, calls=25)
+        # native, kept: in native pumps (their copy jobs on the native copier); else block by block
+        assert (engine.stats()["pumped_batches"] > 0) == (copier == "native" and protection == "kept")
     assert (wrong == 0) if protection == "kept" else (wrong > 0)
