@@ -126,7 +126,7 @@ int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 
 struct ukv_pump {  /* only what Python reads; ukv_pump_new fills in the rest */
     int id, stop;
-    unsigned next, inflight, nreleased, nfailed;
+    unsigned next, inflight, nreleased, nfailed, parked_empty;
     uint32_t *released;
     uint32_t *failed;
     int32_t *fail_errno;

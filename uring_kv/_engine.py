@@ -582,8 +582,8 @@ class Engine:
             leases, release = self.pool.leases, self.pool.release
             for index in released:
                 release(leases[index])  # PUMPING → FREE: the pump's last I/O and memcpy in it are done
-        left = pump.nblocks - pump.started
-        if left and pump.slots and self.pool.free and not pump.stopped:
+        left = pump.nblocks - pump.started - pump.unstarted_slots  # blocks no slot is meant for yet
+        if left > 0 and pump.slots and self.pool.free and not pump.stopped:
             more = self.pool.try_acquire(run.batch.kind, min(left, self.pool.free))
             if more:
                 self._pump_grow(run, more)

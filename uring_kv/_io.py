@@ -218,6 +218,7 @@ class UringBackend(IOBackend):
         ring = self._ring
         done = jobs.done(ring)
         self._pumps_moved(ring)
+        self._flush()  # slots the pumps handed back leave room for ops in the backlog
         return done
 
     def _pumps_moved(self, ring: NativeRing) -> None:

@@ -191,6 +191,7 @@ struct ukv_pump {
     unsigned ncopy;
     uint32_t *parked;          /* held slots waiting for I/O room, a ring buffer from park_head */
     unsigned park_head, nparked;
+    unsigned parked_empty;     /* of those, slots with no block yet (a load's next read) */
 };
 
 static void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
@@ -328,6 +329,7 @@ static int pump_io(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
 
 static void pump_park(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     p->state[s] = SLOT_IDLE;
+    if (p->slot_block[s] < 0) p->parked_empty++;
     p->parked[(p->park_head + p->nparked++) % p->max_slots] = s;
     r->nparked++;
 }
@@ -467,6 +469,7 @@ static void pumps_settle(struct ukv_ring *r) {
                 p->park_head = (p->park_head + 1) % p->max_slots;
                 p->nparked--;
                 r->nparked--;
+                if (p->slot_block[s] < 0) p->parked_empty--;
                 if (p->slot_block[s] >= 0) { /* a store's block, copied into the slot: write it */
                     if (pump_io(r, p, s) == 0) continue;
                     pump_failed(p, s, EBUSY);

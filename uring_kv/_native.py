@@ -223,8 +223,13 @@ class NativePump:
 
     @property
     def slots(self) -> int:
-        """Slots the pump holds now (each has a block in flight)."""
+        """Slots the pump holds now (each carries a block, or waits for I/O room to start one)."""
         return int(self._p.inflight)
+
+    @property
+    def unstarted_slots(self) -> int:
+        """Slots it holds that wait for I/O room to start their next block (under a depth cap)."""
+        return int(self._p.parked_empty)
 
     @property
     def finished(self) -> bool:
