@@ -5,7 +5,8 @@ method is being measured, then prints, per method and callback (task steps by co
 many ran, their total and maximum time and how many took over 0.5 and 1 ms. Then, for uring_kv's
 callbacks that took over 0.5 ms, where their time went: reaping the ring (C, pump refills
 included), submitting SQEs (``io_uring_enter``: O_DIRECT submissions can wait there for the device
-queue), queueing copies, and the rest (Python handlers), with how many completions each reaped.
+queue), queueing copies, collecting the native copier's finished jobs (C, pumps' slots moved on
+included), and the rest (Python handlers), with how many completions each reaped.
 
     python tools/loop_stalls.py --block-size 128K --direct --batches 4
 """
@@ -92,7 +93,7 @@ def _timed_run(self: asyncio.events.Handle) -> None:
 def _print_phases() -> None:
     if not slow:
         return
-    names = ("reap", "submit", "copy")
+    names = ("reap", "submit", "copy", "collect")
     print(f"\nuring_kv callbacks over 0.5 ms ({len(slow)}): where their time went, ms")
     print(f"{'callback':40} {'total':>7} " + " ".join(f"{n:>7}" for n in names) + f" {'other':>7} {'reaped':>7}")
     for took, _, name, spent, count in sorted(slow, reverse=True)[:15]:
@@ -112,6 +113,7 @@ def main() -> int:
     _native.NativeRing.reap = _timed("reap", _native.NativeRing.reap)  # type: ignore[method-assign]
     _native.NativeRing.submit = _timed("submit", _native.NativeRing.submit)  # type: ignore[method-assign]
     _native.CopyJobs._put = _timed("copy", _native.CopyJobs._put)  # type: ignore[method-assign]
+    _native.CopyJobs.done = _timed("collect", _native.CopyJobs.done)  # type: ignore[method-assign]
     _native.BlockCopier.host = _timed("copy", _native.BlockCopier.host)  # type: ignore[method-assign]
     code = cli.main(["bench", *sys.argv[1:]])
     rows = sorted(stats.items(), key=lambda item: (item[0][0], -max(item[1])))
