@@ -122,6 +122,7 @@ int ukv_register_buffers(struct ukv_ring *r, const uint64_t *addrs, const uint64
 int ukv_unregister_buffers(struct ukv_ring *r);
 int ukv_register_files(struct ukv_ring *r, const int *fds, unsigned n);
 int ukv_unregister_files(struct ukv_ring *r);
+int ukv_iowq_max_workers(struct ukv_ring *r, unsigned *bounded, unsigned *unbounded);
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 
 struct ukv_pump {  /* only what Python reads; ukv_pump_new fills in the rest */

@@ -246,6 +246,41 @@ async def test_async_flag_is_reported_and_reads_still_work(data_file: int) -> No
     buf.close()
 
 
+async def test_iowq_worker_cap_is_set_from_the_environment(data_file: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """URING_KV_IOWQ_WORKERS caps the io-wq workers (read back from the kernel) and is reported;
+    IOSQE_ASYNC reads still work under the cap. (The kernel keeps one io-wq per thread, shared by
+    its rings: the test puts the thread's cap back.)"""
+    probe = UringBackend()
+    before = probe._ring.iowq_max_workers(0)[0]
+    assert "io-wq" not in probe.description
+    probe.close()
+    monkeypatch.setenv("URING_KV_IOWQ_WORKERS", str(before + 3))
+    ring = UringBackend(async_io=True)
+    try:
+        assert ring._ring.iowq_max_workers(0)[0] == before + 3
+        assert f"io-wq <= {before + 3}" in ring.description
+        os.pwrite(data_file, b"w" * 8192, 0)
+        buf = HostBuffer(8192)
+        assert await task_group_transfers(ring, data_file, buf.addr) == [4096, 4096]
+        assert bytes(buf.view) == b"w" * 8192
+        buf.close()
+    finally:
+        ring._ring.iowq_max_workers(before)
+        ring.close()
+
+
+async def task_group_transfers(ring: UringBackend, fd: int, addr: int) -> list[int]:
+    got: list[int] = []
+
+    async def one(offset: int) -> None:
+        got.append(await ring.transfer(False, fd, addr + offset, 4096, offset))
+
+    async with task_group() as tasks:
+        tasks.spawn(one, 0)
+        tasks.spawn(one, 4096)
+    return got
+
+
 def _refuse_setup(errno_value: int) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno_value, os.strerror(errno_value))

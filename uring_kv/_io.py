@@ -171,7 +171,16 @@ class UringBackend(IOBackend):
         self.setup_flags = ring.flags
         self.async_io = async_io
         self._sqe_flags = int(SqeFlag.ASYNC) if async_io else 0
-        self.description = f"io_uring ({flag_names(ring.flags)}{', IOSQE_ASYNC' if async_io else ''})"
+        # URING_KV_IOWQ_WORKERS caps the io-wq workers that IOSQE_ASYNC work goes to (the kernel's
+        # default is 4 per CPU): page-cache copies on every core leave the loop thread waiting
+        # for a core.
+        workers = env_count("URING_KV_IOWQ_WORKERS", 0)
+        capped = ""
+        if workers:
+            with contextlib.suppress(OSError):  # kernels before 5.15: no cap
+                ring.iowq_max_workers(workers)
+                capped = f", io-wq <= {workers}"
+        self.description = f"io_uring ({flag_names(ring.flags)}{', IOSQE_ASYNC' if async_io else ''}{capped})"
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ring.register_eventfd(self._efd)
         self._svc.add_reader(self._efd, self._on_wakeup)

@@ -98,6 +98,15 @@ int ukv_register_buffers(struct ukv_ring *r, const uint64_t *addrs, const uint64
 int ukv_unregister_buffers(struct ukv_ring *r) { return io_uring_unregister_buffers(&r->ring); }
 int ukv_register_files(struct ukv_ring *r, const int *fds, unsigned n) { return io_uring_register_files(&r->ring, fds, n); }
 int ukv_unregister_files(struct ukv_ring *r) { return io_uring_unregister_files(&r->ring); }
+/* Cap the ring's io-wq workers (bounded: regular file I/O; unbounded: the rest; 0 keeps a value);
+ * the previous caps come back in the same places. 0 or -errno (-EINVAL before 5.15). */
+int ukv_iowq_max_workers(struct ukv_ring *r, unsigned *bounded, unsigned *unbounded) {
+    unsigned values[2] = {*bounded, *unbounded};
+    int rc = io_uring_register_iowq_max_workers(&r->ring, values);
+    *bounded = values[0];
+    *unbounded = values[1];
+    return rc;
+}
 
 static void prep(struct io_uring_sqe *sqe, const struct ukv_op *op) {
     void *addr = (void *)(uintptr_t)op->addr;

@@ -117,6 +117,12 @@ class NativeRing:
     def register_files(self, fds: Sequence[int]) -> None:
         _check(_lib.ukv_register_files(self._ring, ffi.new("int[]", list(fds)), len(fds)), "io_uring_register_files")
 
+    def iowq_max_workers(self, bounded: int, unbounded: int = 0) -> tuple[int, int]:
+        """Cap the ring's io-wq workers (0 keeps a cap as it is); returns the previous caps."""
+        values = ffi.new("unsigned[2]", [bounded, unbounded])
+        _check(_lib.ukv_iowq_max_workers(self._ring, values, values + 1), "io_uring_register_iowq_max_workers")
+        return int(values[0]), int(values[1])
+
     def unregister_files(self) -> None:
         _check(_lib.ukv_unregister_files(self._ring), "io_uring_unregister_files")
 
