@@ -44,6 +44,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     extra = result["extra"][str(64 << 10)]
     assert extra["pinned_bytes"] == 6 * 64 * 1024  # 4 slots of depth and 2 spare
     assert extra["io_depth"] == 4 and extra["slots"] == 6
+    assert extra["pumped_batches_cold"] == 0  # checksums need Python per block: no pumps
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
     assert "verified: all" in capsys.readouterr().out

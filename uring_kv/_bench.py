@@ -546,6 +546,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 extra[f"bridge_us_{case}_{op}"] = {  # None: no copy went through the bridge (CPU inline)
                     "p50": round(_percentile(delivery, 0.5), 1), "p99": round(_percentile(delivery, 0.99), 1),
                 } if delivery else None
+            # batches run in native pumps (else block by block), the prefill's included
+            extra[f"pumped_batches_{case}"] = engine.stats()["pumped_batches"]
             serial.close()
             pool.close()
             ceiling.close()
