@@ -610,8 +610,8 @@ def _ratios(rows: list[Row]) -> None:
 def spare_slots(config: BenchConfig, device: torch.device) -> int:
     """uring_kv's slots beyond the I/O depth: half the depth again on a GPU by default, where each
     slot spends a copy turnaround between its read and the next (benchmarks.md: 0.80× of the ring
-    ceiling at 128 KiB without, 0.91–0.95× with 16 on the H200); none in CPU mode, whose native
-    pumps need the depth to be the slot count and have no turnaround to hide."""
+    ceiling at 128 KiB without, 0.91–0.95× with 16 on the H200); none in CPU mode, whose pumps
+    with inline memcpys need the depth to be the slot count and have no turnaround to hide."""
     if config.spare_slots is not None:
         return config.spare_slots
     return config.slots // 2 if device.type == "cuda" else 0
