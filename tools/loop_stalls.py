@@ -3,7 +3,7 @@
 Runs the bench (same arguments as ``uring-kv bench``) with every asyncio callback timed while a
 method is being measured, then prints, per method and callback (task steps by coroutine name), how
 many ran, their total and maximum time and how many took over 0.5 and 1 ms. Then, for uring_kv's
-callbacks that took over 0.5 ms, where their time went: reaping the ring (C, pump refills
+callbacks that took over 0.5 ms (``URING_KV_STALL_MS``), where their time went: reaping the ring (C, pump refills
 included), submitting SQEs (``io_uring_enter``: O_DIRECT submissions can wait there for the device
 queue), queueing copies, collecting the native copier's finished jobs (C, pumps' slots moved on
 included), and the rest (Python handlers), with how many completions each reaped.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import asyncio.events
 import collections
+import os
 import sys
 import time
 from typing import Any
@@ -50,6 +51,8 @@ def _name(handle: asyncio.events.Handle) -> str:
     callback = getattr(callback, "func", callback)  # functools.partial
     return str(getattr(callback, "__qualname__", callback))
 
+
+SLOW_S = float(os.environ.get("URING_KV_STALL_MS", "0.5")) / 1e3  # callbacks broken down by phase
 
 # Time spent inside the wrapped calls during the callback now running: phase → seconds, and how
 # many completions its reaps returned.
@@ -86,7 +89,7 @@ def _timed_run(self: asyncio.events.Handle) -> None:
         if windows[0] == window:  # (the step that ends a measurement runs the bench's own code after it)
             name = _name(self)
             stats[(method, name)].append(took)
-            if took > 5e-4 and method == "uring_kv":
+            if took > SLOW_S and method == "uring_kv":
                 slow.append((took, method, name, dict(phases), reaped[0]))
 
 
@@ -94,7 +97,7 @@ def _print_phases() -> None:
     if not slow:
         return
     names = ("reap", "submit", "copy", "collect")
-    print(f"\nuring_kv callbacks over 0.5 ms ({len(slow)}): where their time went, ms")
+    print(f"\nuring_kv callbacks over {SLOW_S * 1e3:g} ms ({len(slow)}): where their time went, ms")
     print(f"{'callback':40} {'total':>7} " + " ".join(f"{n:>7}" for n in names) + f" {'other':>7} {'reaped':>7}")
     for took, _, name, spent, count in sorted(slow, reverse=True)[:15]:
         other = took - sum(spent.get(n, 0.0) for n in names)
