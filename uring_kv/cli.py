@@ -160,7 +160,7 @@ def _soak(args: argparse.Namespace) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     result = asyncio.run(soak(args.blocks, device=device, slots=args.slots, workers=args.workers,
                               cancel_rate=args.cancel_rate, directory=args.path, io=args.io,
-                              checksum=args.checksum))
+                              checksum=args.checksum, io_depth=args.io_depth))
     print(f"soak {device}: {result.summary()}")
     return 0 if result.ok else 1
 
@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     soak = sub.add_parser("soak", help="concurrent loads, stores and cancellations, every block checked")
     soak.add_argument("--blocks", type=int, default=1_000_000)
     soak.add_argument("--slots", type=int, default=4)
+    soak.add_argument("--io-depth", type=int, default=None,
+                      help="reads and writes in flight at most (default: the slots; fewer leaves spare slots)")
     soak.add_argument("--workers", type=int, default=16)
     soak.add_argument("--cancel-rate", type=float, default=0.1)
     soak.add_argument("--device", default="auto")
