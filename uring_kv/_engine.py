@@ -198,7 +198,8 @@ class Engine:
     ``io_depth``: at most this many reads and writes in flight (default: ``num_slots``). Fewer than
     the slots leaves spare slots for blocks between their I/O and the end of their copy, so a slot's
     turnaround through the copy does not take an I/O out of flight (GPU mode). CPU-mode native pumps
-    keep one I/O per slot, so an engine with ``io_depth < num_slots`` runs without them.
+    with inline memcpys keep one I/O per slot, so such an engine with ``io_depth < num_slots`` runs
+    without them; pumps on the native copier keep their I/Os within ``io_depth``.
     ``direct``: True requires O_DIRECT, False never uses it, None (default) probes and falls back.
     ``io``: 'auto' (default, or ``$URING_KV_IO``), 'uring' or 'threads'.
     ``copy_delay``: for tests: hold every copy back about this many seconds (a host sleep in CPU
