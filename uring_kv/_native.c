@@ -54,6 +54,7 @@ struct ukv_ring {
     unsigned io_inflight; /* pump I/Os in flight */
     unsigned io_peak;     /* the most there ever were */
     unsigned nparked;     /* pumps' slots waiting for room under io_cap */
+    unsigned copies_due;  /* pumps' slots whose copy is due, not yet queued as a job */
     int32_t touched[UKV_MAX_PUMPS]; /* pumps that moved in this call, each once */
     unsigned ntouched;
 };
@@ -166,8 +167,7 @@ enum { SLOT_FREE = 0, SLOT_IDLE, SLOT_IO, SLOT_COPY }; /* IDLE: held, parked for
 
 struct ukv_copier;
 static int copier_put_pump(struct ukv_copier *c, struct ukv_pump *p, const uint32_t *slots, unsigned n);
-struct ukv_pump;
-static void pump_flush(struct ukv_pump *p);
+static void pump_flush(struct ukv_ring *r, struct ukv_pump *p);
 
 struct ukv_pump {
     int id, write, fd, fixed_buffers;
@@ -343,9 +343,10 @@ static void pump_park(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     r->nparked++;
 }
 
-static void pump_due_copy(struct ukv_pump *p, unsigned s) {
+static void pump_due_copy(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     p->state[s] = SLOT_COPY;
     p->copy_q[p->ncopy++] = s;
+    r->copies_due++;
 }
 
 /* Start the pump's next block in the idle slot s it holds: a store with a copier first queues the
@@ -361,7 +362,7 @@ static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     unsigned b = p->next++;
     p->slot_block[s] = (int32_t)b;
     if (copy_first) {
-        pump_due_copy(p, s);
+        pump_due_copy(r, p, s);
         return 0;
     }
     if (p->write) copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 1, p->slot_addr[s], p->cache[b]);
@@ -413,7 +414,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
         if (!p->stop && p->next < p->nblocks && pump_begin(r, p, s) == 0) kept++;
         else pump_release(p, s);
     }
-    if (p->ncopy) pump_flush(p);
+    if (p->ncopy) pump_flush(r, p);
     int ret = submit_retry(&r->ring);
     return ret < 0 ? ret : kept;
 }
@@ -426,7 +427,7 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
         pump_failed(p, s, res < 0 ? -res : EIO);
     } else if (!p->write && !p->slot_iov) {
         if (p->copier) {
-            pump_due_copy(p, s);
+            pump_due_copy(r, p, s);
             return;
         }
         copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 0, p->slot_addr[s], p->cache[p->slot_block[s]]);
@@ -452,7 +453,8 @@ static void pump_copied(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int 
 
 /* Queue the pump's due copies as copy jobs. A job the copier refuses (no memory, or stopping)
  * fails its blocks, and their slots go back to Python. */
-static void pump_flush(struct ukv_pump *p) {
+static void pump_flush(struct ukv_ring *r, struct ukv_pump *p) {
+    r->copies_due -= p->ncopy;
     for (unsigned first = 0; first < p->ncopy; first += p->copy_blocks) {
         unsigned n = p->ncopy - first < p->copy_blocks ? p->ncopy - first : p->copy_blocks;
         if (copier_put_pump(p->copier, p, p->copy_q + first, n) == 0) continue;
@@ -489,11 +491,11 @@ static void pumps_settle(struct ukv_ring *r) {
             }
         }
     }
-    for (int id = 0; id < UKV_MAX_PUMPS; id++) {
+    for (int id = 0; id < UKV_MAX_PUMPS && r->copies_due; id++) {
         struct ukv_pump *p = r->pumps[id];
         if (p && p->ncopy) {
             touch(r, p);
-            pump_flush(p);
+            pump_flush(r, p);
         }
     }
 }
