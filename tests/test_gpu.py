@@ -50,7 +50,12 @@ async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, pat
         torch.cuda.synchronize()
         for name in caches:
             assert torch.equal(caches[name].view(torch.int16), reference[name].view(torch.int16)), name
-        assert engine.stats()["leases_held"] == 0
+        stats = engine.stats()
+        assert stats["leases_held"] == 0
+        # GPU mode: batches in native pumps on the native copier (staged copies), every SQE
+        # (O_DIRECT too) handed to io-wq
+        assert (stats["pumped_batches"] == 2) == (io == "uring" and path == "staged")
+        assert ("IOSQE_ASYNC" in stats["io"]) == (io == "uring")
 
 
 async def test_store_after_event_sees_the_producers_bytes(tmp_path: Path) -> None:

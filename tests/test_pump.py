@@ -55,6 +55,9 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
         assert [identify(caches, g) for g in range(64)] == [(d, 1, True) for d in order]
         stats, metrics = engine.stats(), engine.metrics()
         assert stats["pumped_batches"] == 2
+        # CPU mode submits direct I/O inline (GPU mode hands it to io-wq): a buffered file's SQEs
+        # carry IOSQE_ASYNC (the pumps' small blocks excepted), direct ones do not
+        assert ("IOSQE_ASYNC" in stats["io"]) == (not engine.file.direct)
         assert metrics["load"]["blocks"] == metrics["store"]["blocks"] == 64
         assert engine.io._ring.pumps == {}, "a finished pump is still attached to the ring"  # type: ignore[attr-defined]
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)

@@ -284,10 +284,14 @@ class Engine:
 
     def _open_rest(self) -> None:
         # IOSQE_ASYNC: buffered reads would otherwise run inline in io_uring_enter, on the loop
-        # thread. URING_KV_SQE_ASYNC=1 sets it for O_DIRECT too (a device whose queue fills up makes
-        # even a direct submission wait), =0 never.
+        # thread. In GPU mode O_DIRECT submissions too: they go through the block layer inside
+        # io_uring_enter and wait there when the device's queue is full; on the H200 handing them
+        # to io-wq took the bridge delay's p99 at 128 KiB from 112–215 µs to 45–74 µs and kept every
+        # row's loop lag under 0.6 ms, at the same throughput within the disk's noise
+        # (benchmarks.md). CPU mode keeps direct submissions inline (its 16 KiB O_DIRECT loads
+        # reach the ring ceiling so). URING_KV_SQE_ASYNC=1 / 0 forces it on / off.
         forced = os.environ.get("URING_KV_SQE_ASYNC", "")
-        async_io = {"1": True, "0": False}.get(forced, not self.file.direct)
+        async_io = {"1": True, "0": False}.get(forced, self.gpu or not self.file.direct)
         # Except for native pumps of small blocks: handing each to an io-wq worker costs more than
         # the copy, and their reap bounds how long it holds the loop (see _io.REAP_BUDGET_US).
         # A reap pass refills each slot at most once, so a pass copies at most slots × block inline.
