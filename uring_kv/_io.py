@@ -233,9 +233,15 @@ class UringBackend(IOBackend):
     def _pumps_moved(self, ring: NativeRing) -> None:
         if ring.refill_error is not None:
             self._svc.report("uring_kv could not submit pump refills", ring.refill_error)
+        handlers = self._pump_handlers
         for pump in ring.touched:
+            # (a reap that took more than one C call may name a pump twice; the first handler
+            # may have finished it)
+            handler = handlers.get(pump)
+            if handler is None:
+                continue
             try:
-                self._pump_handlers[pump]()
+                handler()
             except Exception as exc:  # one bad handler must not stop the others
                 self._svc.report("uring_kv pump handler failed", exc)
 
