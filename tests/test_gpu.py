@@ -109,6 +109,24 @@ async def test_enqueued_form_event_orders_a_consumer_stream(tmp_path: Path) -> N
         expected = float(caches["model.layers.0.kv"][5].numel() * 3.0)
         assert all(float(s) == expected for s in sums)
         await handle
+        assert engine.stats()["pumped_batches"] == 1  # the store; the enqueued form is not pumped
+
+
+async def test_enqueued_form_returns_before_its_slowed_copies_land(tmp_path: Path) -> None:
+    """Every copy call held ~50 ms on the GPU: ``load_batch_async`` returns once the copies are on
+    their stream, before they have run (its handle's event not yet fired); awaiting the handle
+    waits for them. A pumped batch would only return when complete (which is why the enqueued form
+    does not use a pump in GPU mode)."""
+    caches = bf16_layers(layers=4, blocks=8)
+    async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=2, copy_delay=0.05) as engine:
+        for t in caches.values():
+            t[0].fill_(2.0)
+        await engine.store_batch([0], [1])
+        handle = await engine.load_batch_async([1], [5])
+        assert not handle.event.query(), "the enqueued form returned after its copies had run"
+        await handle
+        torch.cuda.synchronize()
+        assert all(bool((t[5] == 2.0).all()) for t in caches.values())
 
 
 async def test_staging_is_registered_pinned_memory(tmp_path: Path) -> None:

@@ -454,14 +454,16 @@ class Engine:
     async def load_batch_async(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
                                after: Any = None) -> TransferHandle:
         """Like :meth:`load_batch` but returns once every copy is enqueued (see :class:`TransferHandle`)."""
-        return await self._run(*self._load_batch(disk_blocks, gpu_blocks, after), wait=False)
+        # In GPU mode not in a pump: a pumped batch is enqueued only once it is complete, and this
+        # form exists to return as soon as the copies are on their stream.
+        return await self._run(*self._load_batch(disk_blocks, gpu_blocks, after, pump=not self.gpu), wait=False)
 
     def _load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
-                    after: Any) -> tuple[_Batch, list[_Block] | _Pumped]:
+                    after: Any, pump: bool = True) -> tuple[_Batch, list[_Block] | _Pumped]:
         args = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
         disk, gpu, after = args.disk, args.gpu, args.after
         invalid = self._invalid
-        if self._pumped_batches and disk and not (invalid and any(d in invalid for d in disk)):
+        if pump and self._pumped_batches and disk and not (invalid and any(d in invalid for d in disk)):
             run = self._pumped(Kind.LOAD, args)
             if run is not None:
                 return run.batch, run
@@ -478,13 +480,13 @@ class Engine:
                                 after: Any = None) -> TransferHandle:
         """Like :meth:`store_batch` but returns once every D2H copy is enqueued; awaiting the handle
         waits for the writes."""
-        return await self._run(*self._store_batch(gpu_blocks, disk_blocks, after), wait=False)
+        return await self._run(*self._store_batch(gpu_blocks, disk_blocks, after, pump=not self.gpu), wait=False)
 
     def _store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
-                     after: Any) -> tuple[_Batch, list[_Block] | _Pumped]:
+                     after: Any, pump: bool = True) -> tuple[_Batch, list[_Block] | _Pumped]:
         args = self._validate(disk_blocks, gpu_blocks, after, Kind.STORE)
         disk, gpu, after = args.disk, args.gpu, args.after
-        if self._pumped_batches and disk:
+        if pump and self._pumped_batches and disk:
             run = self._pumped(Kind.STORE, args)
             if run is not None:
                 return run.batch, run
