@@ -184,8 +184,9 @@ struct ukv_pump {
     struct iovec *slot_iov;    /* scatter loads: each slot's iovecs (ntensors each), else NULL */
     uint64_t *slot_addr;
     int32_t *slot_buf;         /* registered-buffer index, or -1 */
-    int32_t *slot_block;       /* block in the slot, or -1 (also: not held) */
-    unsigned next, inflight;
+    int32_t *slot_block;       /* block in the slot, or -1 */
+    unsigned next;             /* blocks started */
+    unsigned inflight;         /* slots held (each carrying a block, or parked for I/O room) */
     int stop, touched;
     uint32_t *released;        /* slots handed back since Python last looked */
     unsigned nreleased;
