@@ -297,6 +297,12 @@ void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p) {
     p->id = -1;
 }
 
+/* The attached pump a tagged user_data or job token names (UKV_PUMP_TAG | id << 32 | slot), or NULL. */
+static struct ukv_pump *tagged_pump(const struct ukv_ring *r, uint64_t tag) {
+    unsigned id = (unsigned)((tag >> 32) & 0x7fffffff);
+    return id < UKV_MAX_PUMPS ? r->pumps[id] : NULL;
+}
+
 static struct io_uring_sqe *get_sqe(struct ukv_ring *r) {
     struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
     if (!sqe && submit_retry(&r->ring) >= 0) sqe = io_uring_get_sqe(&r->ring);
@@ -437,18 +443,25 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
 }
 
 /* A copy job of the slot's block is over (rc: 0, or why it failed). */
+/* A store's block is in slot s (its copy is done): write it, or park the slot while the ring is at
+ * its cap. */
+static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+    if (!ring_has_room(r)) {
+        pump_park(r, p, s);
+        return;
+    }
+    if (pump_io(r, p, s) == 0) return;
+    pump_failed(p, s, EBUSY);
+    pump_next_or_release(r, p, s);
+}
+
 static void pump_copied(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int rc) {
     if (s >= p->max_slots || p->state[s] != SLOT_COPY) return;
-    if (rc) {
-        pump_failed(p, s, EIO);
-    } else if (p->write) { /* the block is in the slot: write it */
-        if (!ring_has_room(r)) {
-            pump_park(r, p, s);
-            return;
-        }
-        if (pump_io(r, p, s) == 0) return;
-        pump_failed(p, s, EBUSY);
+    if (!rc && p->write) {
+        pump_write(r, p, s);
+        return;
     }
+    if (rc) pump_failed(p, s, EIO);
     pump_next_or_release(r, p, s);
 }
 
@@ -482,13 +495,10 @@ static void pumps_settle(struct ukv_ring *r) {
                 p->nparked--;
                 r->nparked--;
                 if (p->slot_block[s] < 0) p->parked_empty--;
-                if (p->slot_block[s] >= 0) { /* a store's block, copied into the slot: write it */
-                    if (pump_io(r, p, s) == 0) continue;
-                    pump_failed(p, s, EBUSY);
-                    pump_next_or_release(r, p, s);
-                } else if (!(pump_may_refill(p) && pump_begin(r, p, s) == 0)) {
+                if (p->slot_block[s] >= 0) /* a store's block, copied into the slot (there is room) */
+                    pump_write(r, p, s);
+                else if (!(pump_may_refill(p) && pump_begin(r, p, s) == 0))
                     pump_release(p, s);
-                }
             }
         }
     }
@@ -550,8 +560,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
             for (unsigned i = 0; i < got; i++) {
                 uint64_t ud = cqes[i]->user_data;
                 if (ud & UKV_PUMP_TAG) {
-                    unsigned id = (unsigned)((ud >> 32) & 0x7fffffff);
-                    struct ukv_pump *p = id < UKV_MAX_PUMPS ? r->pumps[id] : NULL;
+                    struct ukv_pump *p = tagged_pump(r, ud);
                     if (!p) continue;
                     pump_complete(r, p, (unsigned)(ud & 0xffffffffu), cqes[i]->res);
                     pumped++;
@@ -1195,15 +1204,16 @@ unsigned ukv_copier_done(struct ukv_copier *c, struct ukv_ring *r, unsigned max,
     }
     if (c->done.head) wake_loop(c); /* more than max: the loop comes back for the rest */
     pthread_mutex_unlock(&c->mu);
-    *ntouched = 0;
-    *submit_error = 0;
+    if (r) { /* (without a ring, ntouched and submit_error may be NULL) */
+        *ntouched = 0;
+        *submit_error = 0;
+    }
     int pumped = 0;
     for (unsigned i = 0; (j = fifo_pop(&taken)); i++) {
         tokens[i] = j->token; rcs[i] = j->rc; wheres[i] = j->where; done_ns[i] = j->done_ns;
         if (j->pump) c->pump_jobs--;
-        unsigned id = (unsigned)((j->token >> 32) & 0x7fffffff);
         /* (a pump holds a job's slots until the job is collected, so it is still attached) */
-        if (j->pump && r && id < UKV_MAX_PUMPS && r->pumps[id] == j->pump) {
+        if (j->pump && r && tagged_pump(r, j->token) == j->pump) {
             for (unsigned b = 0; b < j->n; b++) pump_copied(r, j->pump, j->slots[b], j->rc);
             touch(r, j->pump);
             pumped = 1;

@@ -142,7 +142,11 @@ class NativeRing:
         now = _lib.ukv_ring_pump_io(self._ring, peak)
         return int(now), int(peak[0])
 
-    def _touched_pumps(self) -> None:
+    def _pumps_outcome(self) -> None:
+        """What the last C call that moved pumps left in this ring's buffers: the pumps it moved
+        (added to ``touched``) and why submitting their next I/Os failed (``refill_error``)."""
+        if self._submit_error[0]:
+            self.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
         if self._ntouched[0]:
             pumps = self.pumps
             self.touched.extend(pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
@@ -164,9 +168,7 @@ class NativeRing:
             got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
                                        self._touched, self._ntouched, self._submit_error, self.reap_budget_ns,
                                        self._more)
-            if self._submit_error[0]:
-                self.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
-            self._touched_pumps()
+            self._pumps_outcome()
             if got:
                 done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
             if got < self._reap_cap:
@@ -517,9 +519,6 @@ class CopyJobs:
         self._rcs = ffi.new("int32_t[]", self.BATCH)
         self._wheres = ffi.new("int32_t[]", self.BATCH)
         self._done_ns = ffi.new("int64_t[]", self.BATCH)
-        self._touched = ffi.new("int32_t[]", int(_lib.UKV_MAX_PUMPS))
-        self._ntouched = ffi.new("unsigned *")
-        self._submit_error = ffi.new("int *")
 
     def put(self, token: int, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
             dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
@@ -561,16 +560,15 @@ class CopyJobs:
         Pumps' jobs (``token & PUMP_TAG``) are handled in C on ``ring``, the ring of those pumps:
         the pumps that moved are then in ``ring.touched``, and ``ring.refill_error`` says why
         submitting their next I/Os failed, if it did."""
-        raw_ring = ring._ring if ring is not None else ffi.NULL
-        n = _lib.ukv_copier_done(self._c, raw_ring, self.BATCH, self._tokens, self._rcs, self._wheres, self._done_ns,
-                                 self._touched, self._ntouched, self._submit_error)
-        if ring is not None:
+        if ring is None:
+            n = _lib.ukv_copier_done(self._c, ffi.NULL, self.BATCH, self._tokens, self._rcs, self._wheres,
+                                     self._done_ns, ffi.NULL, ffi.NULL, ffi.NULL)
+        else:
             ring.touched = []
             ring.refill_error = None
-            if self._ntouched[0]:
-                ring.touched.extend(ring.pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
-            if self._submit_error[0]:
-                ring.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
+            n = _lib.ukv_copier_done(self._c, ring._ring, self.BATCH, self._tokens, self._rcs, self._wheres,
+                                     self._done_ns, ring._touched, ring._ntouched, ring._submit_error)
+            ring._pumps_outcome()
         return [(int(self._tokens[i]), int(self._rcs[i]), int(self._wheres[i]), int(self._done_ns[i]))
                 for i in range(n)]
 
