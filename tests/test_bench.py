@@ -45,6 +45,11 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     assert extra["pinned_bytes"] == 6 * 64 * 1024  # 4 slots of depth and 2 spare
     assert extra["io_depth"] == 4 and extra["slots"] == 6
     assert extra["pumped_batches_cold"] == 0  # checksums need Python per block: no pumps
+    pooled = result["uring_kv_lag"]  # every uring_kv row's samples together, the samples not in the JSON
+    assert all("lag_ms" not in row for row in rows)
+    assert pooled["samples"] == sum(r["lag_samples"] for r in rows if r["method"] == "uring_kv") > 0
+    assert pooled["max_ms"] == pytest.approx(max(r["lag_max_ms"] for r in rows if r["method"] == "uring_kv"), abs=1e-3)
+    assert pooled["p50_ms"] <= pooled["p99_ms"] <= pooled["max_ms"]
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
     assert "verified: all" in capsys.readouterr().out
