@@ -58,7 +58,8 @@ SLOW_S = float(os.environ.get("URING_KV_STALL_MS", "0.5")) / 1e3  # callbacks br
 # many completions its reaps returned.
 phases: dict[str, float] = collections.defaultdict(float)
 reaped = [0]
-slow: list[tuple[float, str, str, dict[str, float], int]] = []  # (seconds, method, callback, phases, reaped)
+# (seconds, method, callback, phases, reaped, seconds the loop thread ran on a CPU meanwhile)
+slow: list[tuple[float, str, str, dict[str, float], int, float]] = []
 
 
 def _timed(phase: str, func: Any) -> Any:
@@ -81,16 +82,17 @@ def _timed_run(self: asyncio.events.Handle) -> None:
     method, window = measuring[0], windows[0]
     phases.clear()
     reaped[0] = 0
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     try:
         _original_run(self)
     finally:
         took = time.perf_counter() - start
+        ran = time.thread_time() - start_cpu
         if windows[0] == window:  # (the step that ends a measurement runs the bench's own code after it)
             name = _name(self)
             stats[(method, name)].append(took)
             if took > SLOW_S and method == "uring_kv":
-                slow.append((took, method, name, dict(phases), reaped[0]))
+                slow.append((took, method, name, dict(phases), reaped[0], ran))
 
 
 def _print_phases() -> None:
@@ -98,15 +100,18 @@ def _print_phases() -> None:
         return
     names = ("reap", "submit", "copy", "collect")
     print(f"\nuring_kv callbacks over {SLOW_S * 1e3:g} ms ({len(slow)}): where their time went, ms")
-    print(f"{'callback':40} {'total':>7} " + " ".join(f"{n:>7}" for n in names) + f" {'other':>7} {'reaped':>7}")
-    for took, _, name, spent, count in sorted(slow, reverse=True)[:15]:
+    print("(on CPU: how much of the callback the loop thread ran; the rest it waited, off CPU: for the"
+          " GIL, a lock, a core)")
+    print(f"{'callback':40} {'total':>7} " + " ".join(f"{n:>7}" for n in names) + f" {'other':>7} {'reaped':>7}"
+          f" {'on CPU':>7}")
+    for took, _, name, spent, count, ran in sorted(slow, reverse=True)[:15]:
         other = took - sum(spent.get(n, 0.0) for n in names)
         print(f"{name[:40]:40} {1e3 * took:7.2f} " + " ".join(f"{1e3 * spent.get(n, 0.0):7.2f}" for n in names)
-              + f" {1e3 * other:7.2f} {count:7d}")
+              + f" {1e3 * other:7.2f} {count:7d} {1e3 * ran:7.2f}")
     total = sum(s[0] for s in slow)
     shares = {n: sum(s[3].get(n, 0.0) for s in slow) / total for n in names}
     print("share of their time: " + ", ".join(f"{n} {100 * v:.0f}%" for n, v in shares.items())
-          + f", other {100 * (1 - sum(shares.values())):.0f}%")
+          + f", other {100 * (1 - sum(shares.values())):.0f}%; on CPU {100 * sum(s[5] for s in slow) / total:.0f}%")
 
 
 def main() -> int:
