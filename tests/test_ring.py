@@ -8,7 +8,7 @@ import gc
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from conftest import BOTH_BACKENDS, reported_errors
 from uring_kv import UringUnavailable
 from uring_kv._io import IOBackend, Op, ThreadBackend, UringBackend, open_backend
 from uring_kv._memory import HostBuffer
-from uring_kv._native import SetupFlag
+from uring_kv._native import Opcode, SetupFlag, SqeFlag
 
 
 @pytest.fixture(params=BOTH_BACKENDS)
@@ -244,6 +244,36 @@ async def test_async_flag_is_reported_and_reads_still_work(data_file: int) -> No
     assert bytes(buf.view[:4]) == b"qqqq"
     ring.close()
     buf.close()
+
+
+@pytest.mark.parametrize("async_writes", [None, False])
+async def test_writes_can_go_without_the_async_flag(data_file: int, async_writes: bool | None) -> None:
+    """``async_writes=False``: read SQEs carry IOSQE_ASYNC, write SQEs do not (buffered writes
+    handed to io-wq cost ~9x the CPU on the H200); the description says which. Default: both."""
+    ring = UringBackend(async_io=True, async_writes=async_writes)
+    sent: list[tuple[int, int]] = []  # (opcode, sqe flags)
+    submit = ring._ring.submit
+
+    def spy(sqes: Sequence[tuple[int, int, int, int, int, int, int, int]]) -> None:
+        sent.extend((sqe[0], sqe[1]) for sqe in sqes)
+        submit(sqes)
+
+    ring._ring.submit = spy  # type: ignore[method-assign]
+    buf = HostBuffer(4096)
+    buf.view[:] = b"z" * 4096
+    try:
+        assert await ring.transfer(True, data_file, buf.addr, 4096, 0) == 4096
+        buf.view[:] = b"-" * 4096
+        assert await ring.transfer(False, data_file, buf.addr, 4096, 0) == 4096
+        assert bytes(buf.view) == b"z" * 4096
+    finally:
+        ring.close()
+        buf.close()
+    reads = {flags & SqeFlag.ASYNC for opcode, flags in sent if opcode in (Opcode.READ, Opcode.READ_FIXED)}
+    writes = {flags & SqeFlag.ASYNC for opcode, flags in sent if opcode in (Opcode.WRITE, Opcode.WRITE_FIXED)}
+    assert reads == {SqeFlag.ASYNC}
+    assert writes == ({0} if async_writes is False else {SqeFlag.ASYNC})
+    assert ring.description.endswith("IOSQE_ASYNC on reads)" if async_writes is False else "IOSQE_ASYNC)")
 
 
 async def test_iowq_worker_cap_is_set_from_the_environment(data_file: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,8 @@ Some facts about io_uring that shape the ring backend:
   posted only when it asks (``io_uring_get_events``). The ring is created, used and closed on the loop
   thread; that is checked on every submit.
 * Buffered reads that hit the page cache complete inline inside ``io_uring_enter``, on the loop thread.
-  ``async_io=True`` sets IOSQE_ASYNC on every SQE so the work goes to io-wq threads instead. Native
+  ``async_io=True`` sets IOSQE_ASYNC on every read SQE (and write SQE, unless ``async_writes=False``)
+  so the work goes to io-wq threads instead. Native
   pumps of small blocks may go inline anyway (``pump(inline=True)``): their C reap loop bounds the
   time it holds the loop (``reap_budget_ns``) and asks for another loop turn for the rest.
 """
@@ -153,7 +154,8 @@ class UringBackend(IOBackend):
     name = "uring"
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
-                 async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER, depth: int | None = None) -> None:
+                 async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER, depth: int | None = None,
+                 async_writes: bool | None = None) -> None:
         per_callback = env_count("URING_KV_COMPLETIONS_PER_CALLBACK", 0)
         super().__init__(services)
         self._owner = threading.get_ident()
@@ -170,7 +172,9 @@ class UringBackend(IOBackend):
         self._ring = ring
         self.setup_flags = ring.flags
         self.async_io = async_io
-        self._sqe_flags = int(SqeFlag.ASYNC) if async_io else 0
+        self.async_writes = async_io if async_writes is None else async_writes
+        # the flags of read SQEs, of write SQEs
+        self._sqe_flags = tuple(int(SqeFlag.ASYNC) if on else 0 for on in (async_io, self.async_writes))
         # URING_KV_IOWQ_WORKERS caps the io-wq workers that IOSQE_ASYNC work goes to (the kernel's
         # default is 4 per CPU): page-cache copies on every core leave the loop thread waiting
         # for a core.
@@ -180,7 +184,9 @@ class UringBackend(IOBackend):
             with contextlib.suppress(OSError):  # kernels before 5.15: no cap
                 ring.iowq_max_workers(workers)
                 capped = f", io-wq <= {workers}"
-        self.description = f"io_uring ({flag_names(ring.flags)}{', IOSQE_ASYNC' if async_io else ''}{capped})"
+        which = {(True, True): ", IOSQE_ASYNC", (True, False): ", IOSQE_ASYNC on reads",
+                 (False, True): ", IOSQE_ASYNC on writes", (False, False): ""}[(async_io, self.async_writes)]
+        self.description = f"io_uring ({flag_names(ring.flags)}{which}{capped})"
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ring.register_eventfd(self._efd)
         self._svc.add_reader(self._efd, self._on_wakeup)
@@ -211,7 +217,7 @@ class UringBackend(IOBackend):
         :meth:`copies_done`) in which the pump moved. ``inline``: no IOSQE_ASYNC on its SQEs even
         when the backend sets it (page-cache hits are copied inside the submission, on this
         thread). Raises :class:`PumpsBusy` when none is free."""
-        sqe_flags = 0 if inline else self._sqe_flags
+        sqe_flags = 0 if inline else self._sqe_flags[write]
         if fd in self._fixed_fd:
             fd, sqe_flags = self._fixed_fd[fd], sqe_flags | _FIXED_FILE
         pump = NativePump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
@@ -307,7 +313,7 @@ class UringBackend(IOBackend):
             self._next_user_data += 1
             pending[user_data] = op
             opcode = _OPCODES[op.write][op.buf_index >= 0 and use_fixed]
-            fd, sqe_flags = op.fd, self._sqe_flags
+            fd, sqe_flags = op.fd, self._sqe_flags[op.write]
             if fd in fixed_fd:
                 fd, sqe_flags = fixed_fd[fd], sqe_flags | _FIXED_FILE
             sqes.append((opcode, sqe_flags, max(op.buf_index, 0), fd, op.addr, op.length, op.offset, user_data))
@@ -407,7 +413,8 @@ class ThreadBackend(IOBackend):
 
 
 def open_backend(mode: str | None = None, *, services: LoopServices | None = None,
-                 async_io: bool = False, entries: int = 256, workers: int = 8, depth: int | None = None) -> IOBackend:
+                 async_io: bool = False, entries: int = 256, workers: int = 8, depth: int | None = None,
+                 async_writes: bool | None = None) -> IOBackend:
     """The backend for ``mode`` ('auto', 'uring' or 'threads'; default ``$URING_KV_IO`` or 'auto').
 
     'auto' falls back to threads with one RuntimeWarning naming the cause; 'uring' raises
@@ -422,7 +429,7 @@ def open_backend(mode: str | None = None, *, services: LoopServices | None = Non
     if mode == "threads":
         return ThreadBackend(services, workers, reason="URING_KV_IO=threads")
     try:
-        return UringBackend(services, entries, async_io, depth=depth)
+        return UringBackend(services, entries, async_io, depth=depth, async_writes=async_writes)
     except UringUnavailable as exc:
         if mode == "uring":
             raise
