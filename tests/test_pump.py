@@ -96,6 +96,60 @@ async def test_pumped_writes_to_a_buffered_file_go_without_iosqe_async(make_engi
         assert ("IOSQE_ASYNC on reads" in engine.stats()["io"]) == buffered
 
 
+async def test_a_reap_pass_ends_when_its_budget_is_spent(make_engine: EngineFactory, copies: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reap checks its budget after each pump completion, not only between passes: a pass
+    over a full CQ of memcpy pumps would otherwise copy every slot's block before the loop got a
+    turn. With a 1 µs budget each reap moves about one 32 KiB block of a hot batch (copied from
+    the slot; refills complete inside their submission), so 256 blocks take over 128 reaps; bytes
+    exact. Mutation tried: the check only between passes (33 reaps: a pass handled all 8 slots)."""
+    if copies != "memcpy":
+        pytest.skip("copier pumps copy on the copier's thread; their refills wait for its jobs")
+    monkeypatch.setenv("URING_KV_REAP_BUDGET_US", "1")
+    monkeypatch.setenv("URING_KV_PUMP_SCATTER", "0")  # each block read into its slot, then copied
+    caches = {"k": torch.zeros(256, 8 << 10, dtype=torch.int32)}  # 32 KiB blocks: the largest pumped inline
+    source = torch.randint(-2**31, 2**31 - 1, (256, 8 << 10), dtype=torch.int32)
+    async with make_engine(caches, 256, num_slots=8, direct=False) as engine:
+        caches["k"].copy_(source)
+        await engine.store_batch(list(range(256)), list(range(256)))
+        caches["k"].zero_()
+        ring = engine.io._ring  # type: ignore[attr-defined]
+        reap, reaps = ring.reap, [0]
+
+        def counted() -> list[tuple[int, int]]:
+            reaps[0] += 1
+            return reap()  # type: ignore[no-any-return]
+
+        monkeypatch.setattr(ring, "reap", counted)
+        order = random.Random(7).sample(range(256), 256)
+        await engine.load_batch(order, list(range(256)))
+        assert engine.stats()["pumped_batches"] == 2
+        assert torch.equal(caches["k"], source[order])
+        assert reaps[0] > 128
+
+
+@pytest.mark.parametrize(("slots", "on_copier"), [(8, False), (32, True)])
+async def test_memcpy_pumps_only_while_all_slots_hold_at_most_1_mib(make_engine: EngineFactory, copies: str,
+                                                                    slots: int, on_copier: bool) -> None:
+    """CPU mode copies a pump's blocks inline (in the reap, on the loop) only while slots × block
+    is at most 1 MiB: a pump's start and a reap pass over a full CQ copy every slot's block at
+    once. Beyond, the copies are jobs for the native copier's thread. 64 KiB blocks: 8 slots
+    inline, 32 on the copier; bytes exact both ways."""
+    if copies != "memcpy":
+        pytest.skip("every copy goes to the copier in that case")
+    caches = {"k": torch.zeros(64, 16 << 10, dtype=torch.int32)}  # 64 KiB blocks
+    source = torch.randint(-2**31, 2**31 - 1, (64, 16 << 10), dtype=torch.int32)
+    async with make_engine(caches, 64, num_slots=slots) as engine:
+        assert (engine._pump_copies is not None) == on_copier
+        caches["k"].copy_(source)
+        await engine.store_batch(list(range(64)), list(range(64)))
+        caches["k"].zero_()
+        order = random.Random(11).sample(range(64), 64)
+        await engine.load_batch(order, list(range(64)))
+        assert torch.equal(caches["k"], source[order])
+        assert engine.stats()["pumped_batches"] == 2
+
+
 async def test_a_hot_pumped_batch_lets_the_loop_run_between_reap_passes(make_engine: EngineFactory,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Refills of a hot buffered batch complete inside their own submission, so one reap could go

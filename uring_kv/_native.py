@@ -157,8 +157,9 @@ class NativeRing:
         submitting the pumps' refills failed, ``refill_error`` says why (they stay queued).
 
         Pump refills that the kernel completes inside their submission (page-cache hits without
-        IOSQE_ASYNC) are handled in further passes for up to ``reap_budget_ns``; ``more`` is True
-        when the budget ran out with such completions left: the caller reaps again on a later
+        IOSQE_ASYNC) are handled in further passes for up to ``reap_budget_ns``, which also ends a
+        pass early (checked after each pump completion: each may have copied a block); ``more``
+        is True when the budget ran out with completions left: the caller reaps again on a later
         loop turn (nothing else would wake it for them)."""
         done: list[tuple[int, int]] = []
         self.touched = []
