@@ -33,7 +33,79 @@ windows = [0]  # how many measuring windows were opened or closed: a step spanni
 def _enter(self: _bench.LagTicker) -> _bench.LagTicker:
     measuring.append(str(sys._getframe(1).f_locals.get("name", "?")))  # _measure's loop variable
     windows[0] += 1
+    _time_select(asyncio.get_running_loop())
     return _original_enter(self)
+
+
+# Late probe samples: where the time between the probe's write and its callback went.
+LATE_S = float(os.environ.get("URING_KV_LATE_MS", "0.15")) / 1e3
+loop_turn: dict[str, Any] = {"t0": 0.0, "t1": 0.0, "ran": [], "before": []}  # this turn of the loop
+# (method, lag, busy, wake, ahead, callbacks that ran while the sample waited: (name, seconds of it after the write))
+late: list[tuple[str, float, float, float, float, list[tuple[str, float]]]] = []
+samples_seen: collections.Counter[str] = collections.Counter()
+
+
+def _time_select(loop: asyncio.AbstractEventLoop) -> None:
+    """Time each turn's select(); keep the callbacks run in this turn and the one before."""
+    selector = getattr(loop, "_selector", None)
+    if selector is None or getattr(selector, "_stalls_timed", False):
+        return
+    select = selector.select
+
+    def timed(timeout: float | None = None) -> Any:
+        loop_turn["before"], loop_turn["ran"] = loop_turn["ran"], []
+        loop_turn["t0"] = time.monotonic()
+        try:
+            return select(timeout)
+        finally:
+            loop_turn["t1"] = time.monotonic()
+
+    selector.select = timed
+    selector._stalls_timed = True
+
+
+_original_drain = _bench._Prober.drain
+
+
+def _drain(self: _bench._Prober) -> list[float]:
+    """Each sample later than LATE_S, split: busy (the loop was running callbacks when the probe
+    wrote, until it next called select), wake (from the write, or that call, to select's return:
+    the loop thread waking up and being scheduled) and ahead (callbacks run in this turn before
+    the probe's)."""
+    sent = _original_drain(self)
+    if sys._getframe(1).f_code.co_name != "_on_probe" or not measuring:
+        return sent
+    now, method = time.monotonic(), measuring[0]
+    t0, t1 = loop_turn["t0"], loop_turn["t1"]
+    for written in sent:
+        samples_seen[method] += 1
+        if now - written <= LATE_S:
+            continue
+        busy = max(0.0, t0 - written)  # written while callbacks ran: until the next select()
+        wake = max(0.0, t1 - max(written, t0))  # 0: written after select() returned, read in this turn
+        during = [(name, start + took - max(start, written)) for name, start, took in
+                  loop_turn["before"] + loop_turn["ran"] if start + took > written]  # the time each ran after the write
+        late.append((method, now - written, busy, wake, now - max(t1, written), during))
+    return sent
+
+
+def _print_late() -> None:
+    for method in sorted(samples_seen):
+        mine = [x for x in late if x[0] == method]
+        if not mine:
+            continue
+        n = len(mine)
+        print(f"\n{method}: {n} of {samples_seen[method]} probe samples later than {LATE_S * 1e3:g} ms; mean ms: "
+              f"lag {1e3 * sum(x[1] for x in mine) / n:.3f} = busy {1e3 * sum(x[2] for x in mine) / n:.3f} "
+              f"+ wake {1e3 * sum(x[3] for x in mine) / n:.3f} + ahead {1e3 * sum(x[4] for x in mine) / n:.3f}")
+        by_name: dict[str, list[float]] = collections.defaultdict(list)
+        for x in mine:
+            for name, took in x[5]:
+                by_name[name].append(took)
+        for name, times in sorted(by_name.items(), key=lambda item: -sum(item[1]))[:6]:
+            mean = sum(times) / len(times)
+            print(f"  ran while they waited: {name[:50]:50} {len(times):6d} x, mean {1e3 * mean:.3f} ms,"
+                  f" max {1e3 * max(times):.3f} ms")
 
 
 def _exit(self: _bench.LagTicker, *exc: object) -> None:
@@ -82,12 +154,13 @@ def _timed_run(self: asyncio.events.Handle) -> None:
     method, window = measuring[0], windows[0]
     phases.clear()
     reaped[0] = 0
-    start, start_cpu = time.perf_counter(), time.thread_time()
+    start, start_cpu = time.monotonic(), time.thread_time()
     try:
         _original_run(self)
     finally:
-        took = time.perf_counter() - start
+        took = time.monotonic() - start
         ran = time.thread_time() - start_cpu
+        loop_turn["ran"].append((_name(self), start, took))
         if windows[0] == window:  # (the step that ends a measurement runs the bench's own code after it)
             name = _name(self)
             stats[(method, name)].append(took)
@@ -118,6 +191,7 @@ def main() -> int:
     asyncio.events.Handle._run = _timed_run  # type: ignore[method-assign]
     _bench.LagTicker.__enter__ = _enter  # type: ignore[method-assign]
     _bench.LagTicker.__exit__ = _exit  # type: ignore[method-assign]
+    _bench._Prober.drain = _drain  # type: ignore[method-assign]
     _native.NativeRing.reap = _timed("reap", _native.NativeRing.reap)  # type: ignore[method-assign]
     _native.NativeRing.submit = _timed("submit", _native.NativeRing.submit)  # type: ignore[method-assign]
     _native.CopyJobs._put = _timed("copy", _native.CopyJobs._put)  # type: ignore[method-assign]
@@ -132,6 +206,7 @@ def main() -> int:
         print(f"{method[:14]:14} {name[:50]:50} {len(times):8d} {1e3 * sum(times):10.1f} {1e3 * max(times):8.2f} "
               f"{sum(t > 5e-4 for t in times):7d} {sum(t > 1e-3 for t in times):6d}")
     _print_phases()
+    _print_late()
     return code
 
 
