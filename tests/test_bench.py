@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from uring_kv import Engine
 from uring_kv._bench import BenchConfig, Workload, spare_slots
 from uring_kv.cli import main
 
@@ -63,13 +64,34 @@ def test_bench_refuses_bad_counts(flag: list[str], capsys: pytest.CaptureFixture
     assert "must be >=" in capsys.readouterr().err
 
 
-def test_spare_slots_default_to_half_the_depth_on_a_gpu_and_none_on_the_cpu() -> None:
-    """GPU mode hides each slot's copy turnaround behind spare slots; CPU mode keeps its pumps,
-    which need the depth to be the slot count. An explicit count always wins."""
-    assert spare_slots(BenchConfig(slots=32), torch.device("cuda")) == 16
-    assert spare_slots(BenchConfig(slots=32), torch.device("cpu")) == 0
-    assert spare_slots(BenchConfig(slots=32, spare_slots=0), torch.device("cuda")) == 0
-    assert spare_slots(BenchConfig(slots=8, spare_slots=3), torch.device("cpu")) == 3
+def test_spare_slots_default_to_half_the_depth_where_copies_are_copier_jobs() -> None:
+    """GPU mode, and CPU mode once the slots hold over 1 MiB (its copies are then copier jobs),
+    hide each slot's copy turnaround behind spare slots; smaller CPU set-ups keep their inline
+    pumps, which need the depth to be the slot count. An explicit count always wins."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert spare_slots(BenchConfig(slots=32), cuda, 4 << 10) == 16
+    assert spare_slots(BenchConfig(slots=32), cpu, 128 << 10) == 16
+    assert spare_slots(BenchConfig(slots=32), cpu, 32 << 10) == 0  # 1 MiB: still inline
+    assert spare_slots(BenchConfig(slots=32), cpu, 16 << 10) == 0
+    assert spare_slots(BenchConfig(slots=32, spare_slots=0), cuda, 2 << 20) == 0
+    assert spare_slots(BenchConfig(slots=8, spare_slots=3), cpu, 4 << 10) == 3
+
+
+async def test_cpu_bench_set_up_with_spare_slots_runs_in_pumps(tmp_path: Path) -> None:
+    """The bench's CPU set-up with spare slots (128 KiB blocks, depth 16 + 8 spare) is pumped: its
+    copies are copier jobs, which run under a depth cap, unlike inline memcpy pumps."""
+    config = BenchConfig(slots=16)
+    spare = spare_slots(config, torch.device("cpu"), 128 << 10)
+    assert spare == 8
+    caches = {"k": torch.zeros(16, 32 << 10, dtype=torch.int32)}  # 128 KiB blocks
+    source = torch.randint(-2**31, 2**31 - 1, (16, 32 << 10), dtype=torch.int32)
+    async with Engine(caches, tmp_path / "kv.bin", 16, config.slots + spare, io_depth=config.slots) as engine:
+        caches["k"].copy_(source)
+        await engine.store_batch(list(range(16)), list(range(16)))
+        caches["k"].zero_()
+        await engine.load_batch(list(range(16)), list(range(16)))
+        assert torch.equal(caches["k"], source)
+        assert engine.stats()["pumped_batches"] == 2
 
 
 def test_the_heap_is_frozen_only_while_measuring() -> None:

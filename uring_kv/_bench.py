@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from uring_kv._engine import Engine
+from uring_kv._engine import PUMP_INLINE_PASS_BYTES, Engine
+from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
 from uring_kv._native import ring_loop
 
@@ -502,7 +503,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
     extra: dict[str, Any] = {}
     cases = [("cold", True), ("hot", False)] if config.direct is None else [
         ("cold" if config.direct else "hot", config.direct)]
-    spare = spare_slots(config, device)
+    spare = spare_slots(config, device, block_bytes)
     for case, direct in cases:
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
         async with Engine(work.caches, path, work.num_disk_blocks, config.slots + spare,
@@ -610,14 +611,18 @@ def _ratios(rows: list[Row]) -> None:
                 row.ratios["pcie ceiling"] = row.gbps / other.gbps
 
 
-def spare_slots(config: BenchConfig, device: torch.device) -> int:
-    """uring_kv's slots beyond the I/O depth: half the depth again on a GPU by default, where each
-    slot spends a copy turnaround between its read and the next (benchmarks.md: 0.80× of the ring
-    ceiling at 128 KiB without, 0.91–0.95× with 16 on the H200); none in CPU mode, whose pumps
-    with inline memcpys need the depth to be the slot count and have no turnaround to hide."""
+def spare_slots(config: BenchConfig, device: torch.device, block_bytes: int) -> int:
+    """uring_kv's slots beyond the I/O depth: half the depth again by default wherever the copies
+    are jobs for the native copier, so that each slot spends a copy turnaround between its read
+    and the next (benchmarks.md: 0.80× of the ring ceiling at 128 KiB without, 0.91–0.95× with 16
+    on the H200): on a GPU, and in CPU mode once the slots hold over 1 MiB together. None for
+    CPU mode's smaller set-ups, whose pumps copy inline, need the depth to be the slot count and
+    have no turnaround to hide."""
     if config.spare_slots is not None:
         return config.spare_slots
-    return config.slots // 2 if device.type == "cuda" else 0
+    if device.type == "cuda" or config.slots * round_up(block_bytes, 4096) > PUMP_INLINE_PASS_BYTES:
+        return config.slots // 2
+    return 0
 
 
 async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:

@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="I/O depth of uring_kv and of the ring ceiling (default 32)")
     bench.add_argument("--spare-slots", type=_at_least(0), default=None,
                        help="uring_kv's staging slots beyond that depth, for blocks in their copy "
-                            "(default: half the depth on a GPU, 0 in CPU mode, whose pumps with "
-                            "inline copies are not used with spare slots)")
+                            "(default: half the depth on a GPU, and in CPU mode when the slots hold "
+                            "over 1 MiB; else 0: CPU mode's inline-copy pumps need no spare slots)")
     bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
     direct = bench.add_mutually_exclusive_group()
     direct.add_argument("--direct", dest="direct", action="store_true", default=None, help="cold (O_DIRECT) only")
