@@ -65,13 +65,17 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
 
 
+@pytest.mark.parametrize("slots", [4, 32])
 @pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
 async def test_pumped_writes_to_a_buffered_file_go_without_iosqe_async(make_engine: EngineFactory, direct: bool | None,
+                                                                       slots: int,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks too large to copy inline: on a buffered file the pumps' reads go to io-wq
-    (IOSQE_ASYNC: a page-cache hit would be copied on the loop thread), their writes do not (on
-    the H200, buffered 2 MiB writes on io-wq took ~9x the CPU and held the loop up to 5 ms, at the
-    same throughput); CPU mode submits direct I/O inline both ways. Bytes are exact either way."""
+    """Blocks too large to submit without the flag: on a buffered file the pumps' reads go to
+    io-wq (IOSQE_ASYNC: a page-cache hit would be copied on the loop thread), their writes do not
+    (on the H200, buffered 2 MiB writes on io-wq took ~9x the CPU and held the loop up to 5 ms, at
+    the same throughput). Direct I/O: submitted inline both ways by CPU mode's inline-copy
+    set-ups (4 slots of 64 KiB), on io-wq both ways once the slots hold over 1 MiB (32: copier
+    pumps, whose direct submissions waited in io_uring_enter). Bytes exact every way."""
     seen: set[tuple[bool, int]] = set()  # (write, IOSQE_ASYNC set) of every pump
     made = _native.NativePump.__init__
 
@@ -84,7 +88,7 @@ async def test_pumped_writes_to_a_buffered_file_go_without_iosqe_async(make_engi
     block_words = 16 << 10  # 64 KiB blocks: over the inline limit
     caches = {"k": torch.zeros(16, block_words, dtype=torch.int32)}
     source = torch.randint(-2**31, 2**31 - 1, (16, block_words), dtype=torch.int32)
-    async with make_engine(caches, 16, num_slots=4, direct=direct) as engine:
+    async with make_engine(caches, 16, num_slots=slots, direct=direct) as engine:
         caches["k"].copy_(source)
         await engine.store_batch(list(range(16)), list(range(16)))
         caches["k"].zero_()
@@ -92,7 +96,8 @@ async def test_pumped_writes_to_a_buffered_file_go_without_iosqe_async(make_engi
         await engine.load_batch(order, list(range(16)))
         assert torch.equal(caches["k"], source[order])
         buffered = not engine.file.direct
-        assert seen == {(False, _native.SqeFlag.ASYNC if buffered else 0), (True, 0)}
+        on_wq = _native.SqeFlag.ASYNC if slots == 32 and not buffered else 0
+        assert seen == {(False, _native.SqeFlag.ASYNC if buffered else on_wq), (True, on_wq)}
         assert ("IOSQE_ASYNC on reads" in engine.stats()["io"]) == buffered
 
 

@@ -288,14 +288,19 @@ class Engine:
         # io_uring_enter and wait there when the device's queue is full; on the H200 handing them
         # to io-wq took the bridge delay's p99 at 128 KiB from 112–215 µs to 45–74 µs and kept every
         # row's loop lag under 0.6 ms, at the same throughput within the disk's noise
-        # (benchmarks.md). CPU mode keeps direct submissions inline (its 16 KiB O_DIRECT loads
-        # reach the ring ceiling so). Buffered *writes* go without it: on the H200, hot 2 MiB stores
+        # (benchmarks.md). CPU mode's inline-copy set-ups keep direct submissions inline (its 16 KiB
+        # O_DIRECT loads reach the ring ceiling so). Buffered *writes* go without it: on the H200, hot 2 MiB stores
         # handed to io-wq burned ~9x the CPU (5.6 s vs 0.6 s a row) and held the loop up to 5.4 ms
         # (waiting for a core), at the same throughput as without (benchmarks.md).
         # URING_KV_SQE_ASYNC=1 / 0 forces it on / off for every SQE.
+        # CPU mode with many slots pumps like GPU mode (copies on the copier's thread, collected
+        # on the loop, which then submits): its direct writes too waited in the submission (loop
+        # stalls up to 3.1 ms at 128 KiB on the H200 machine); only the inline-copy set-ups (all
+        # slots within PUMP_INLINE_PASS_BYTES) keep direct submissions on the loop thread.
+        direct_async = self.gpu or self.num_slots * self.file.stride > PUMP_INLINE_PASS_BYTES
         forced = os.environ.get("URING_KV_SQE_ASYNC", "")
-        async_io = {"1": True, "0": False}.get(forced, self.gpu or not self.file.direct)
-        async_writes = {"1": True, "0": False}.get(forced, self.gpu and self.file.direct)
+        async_io = {"1": True, "0": False}.get(forced, direct_async or not self.file.direct)
+        async_writes = {"1": True, "0": False}.get(forced, direct_async and self.file.direct)
         # Except for native pumps of small blocks: handing each to an io-wq worker costs more than
         # the copy, and their reap bounds how long it holds the loop (see _io.REAP_BUDGET_US).
         # A reap pass refills each slot at most once, so a pass copies at most slots × block inline.
