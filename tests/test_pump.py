@@ -19,7 +19,7 @@ from aio import gather, run_then_cancel, settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory
 from faultfs import FaultState
 
-from uring_kv import _native
+from uring_kv import Engine, _native
 from uring_kv._staging import LeaseState
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
@@ -65,6 +65,19 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
 
 
+async def store_then_load_shuffled(engine: Engine, cache: torch.Tensor, seed: int) -> None:
+    """Random bytes in cache blocks 0..n-1 stored to disk blocks 0..n-1, the cache cleared, the
+    blocks loaded back in a shuffled order: each must be exact."""
+    n = cache.shape[0]
+    source = torch.randint(-2**31, 2**31 - 1, tuple(cache.shape), dtype=torch.int32)
+    cache.copy_(source)
+    await engine.store_batch(list(range(n)), list(range(n)))
+    cache.zero_()
+    order = random.Random(seed).sample(range(n), n)
+    await engine.load_batch(order, list(range(n)))
+    assert torch.equal(cache, source[order])
+
+
 @pytest.mark.parametrize("slots", [4, 32])
 @pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
 async def test_pumped_writes_to_a_buffered_file_go_without_iosqe_async(make_engine: EngineFactory, direct: bool | None,
@@ -85,16 +98,9 @@ async def test_pumped_writes_to_a_buffered_file_go_without_iosqe_async(make_engi
         made(pump, ring, write, fd, sqe_flags, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_native.NativePump, "__init__", spy)
-    block_words = 16 << 10  # 64 KiB blocks: over the inline limit
-    caches = {"k": torch.zeros(16, block_words, dtype=torch.int32)}
-    source = torch.randint(-2**31, 2**31 - 1, (16, block_words), dtype=torch.int32)
+    caches = {"k": torch.zeros(16, 16 << 10, dtype=torch.int32)}  # 64 KiB blocks: over the inline limit
     async with make_engine(caches, 16, num_slots=slots, direct=direct) as engine:
-        caches["k"].copy_(source)
-        await engine.store_batch(list(range(16)), list(range(16)))
-        caches["k"].zero_()
-        order = random.Random(3).sample(range(16), 16)
-        await engine.load_batch(order, list(range(16)))
-        assert torch.equal(caches["k"], source[order])
+        await store_then_load_shuffled(engine, caches["k"], seed=3)
         buffered = not engine.file.direct
         on_wq = _native.SqeFlag.ASYNC if slots == 32 and not buffered else 0
         assert seen == {(False, _native.SqeFlag.ASYNC if buffered else on_wq), (True, on_wq)}
@@ -143,15 +149,9 @@ async def test_memcpy_pumps_only_while_all_slots_hold_at_most_1_mib(make_engine:
     if copies != "memcpy":
         pytest.skip("every copy goes to the copier in that case")
     caches = {"k": torch.zeros(64, 16 << 10, dtype=torch.int32)}  # 64 KiB blocks
-    source = torch.randint(-2**31, 2**31 - 1, (64, 16 << 10), dtype=torch.int32)
     async with make_engine(caches, 64, num_slots=slots) as engine:
         assert (engine._pump_copies is not None) == on_copier
-        caches["k"].copy_(source)
-        await engine.store_batch(list(range(64)), list(range(64)))
-        caches["k"].zero_()
-        order = random.Random(11).sample(range(64), 64)
-        await engine.load_batch(order, list(range(64)))
-        assert torch.equal(caches["k"], source[order])
+        await store_then_load_shuffled(engine, caches["k"], seed=11)
         assert engine.stats()["pumped_batches"] == 2
 
 
