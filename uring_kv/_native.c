@@ -584,6 +584,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
         int ret = submit_retry(&r->ring);
         if (ret < 0) {
             *submit_error = ret;
+            *more = out_of_time && io_uring_cq_ready(&r->ring); /* completions left behind still need a reap */
             break;
         }
         if (out_of_time && io_uring_cq_ready(&r->ring)) {
