@@ -283,20 +283,18 @@ class Engine:
         return file
 
     def _open_rest(self) -> None:
-        # IOSQE_ASYNC: buffered reads would otherwise run inline in io_uring_enter, on the loop
-        # thread. In GPU mode O_DIRECT submissions too: they go through the block layer inside
-        # io_uring_enter and wait there when the device's queue is full; on the H200 handing them
-        # to io-wq took the bridge delay's p99 at 128 KiB from 112–215 µs to 45–74 µs and kept every
-        # row's loop lag under 0.6 ms, at the same throughput within the disk's noise
-        # (benchmarks.md). CPU mode's inline-copy set-ups keep direct submissions inline (its 16 KiB
-        # O_DIRECT loads reach the ring ceiling so). Buffered *writes* go without it: on the H200, hot 2 MiB stores
-        # handed to io-wq burned ~9x the CPU (5.6 s vs 0.6 s a row) and held the loop up to 5.4 ms
-        # (waiting for a core), at the same throughput as without (benchmarks.md).
-        # URING_KV_SQE_ASYNC=1 / 0 forces it on / off for every SQE.
-        # CPU mode with many slots pumps like GPU mode (copies on the copier's thread, collected
-        # on the loop, which then submits): its direct writes too waited in the submission (loop
-        # stalls up to 3.1 ms at 128 KiB on the H200 machine); only the inline-copy set-ups (all
-        # slots within PUMP_INLINE_PASS_BYTES) keep direct submissions on the loop thread.
+        # IOSQE_ASYNC (URING_KV_SQE_ASYNC=1 / 0 forces it on / off for every SQE), measured on the
+        # H200 machine (benchmarks.md):
+        # - reads of a buffered file: a page-cache hit would be copied inside io_uring_enter, on the
+        #   loop thread;
+        # - O_DIRECT reads and writes wherever the copies are the native copier's (GPU mode, and CPU
+        #   mode once the slots hold over PUMP_INLINE_PASS_BYTES): the submission goes through the
+        #   block layer and waits there when the device's queue is full. Handing it to io-wq took
+        #   the bridge delay's p99 at 128 KiB from 112–215 to 45–74 µs in GPU mode and from 240–251
+        #   to 39–63 µs in CPU mode, at the same throughput within the disk's noise. CPU mode's
+        #   inline-copy set-ups keep it inline (their 16 KiB O_DIRECT loads reach the ring ceiling so);
+        # - never writes to a buffered file: forced onto io-wq, hot 2 MiB stores burned ~9x the CPU
+        #   and held the loop up to 5.4 ms (waiting for a core), at the same throughput as without.
         direct_async = self.gpu or self.num_slots * self.file.stride > PUMP_INLINE_PASS_BYTES
         forced = os.environ.get("URING_KV_SQE_ASYNC", "")
         async_io = {"1": True, "0": False}.get(forced, direct_async or not self.file.direct)

@@ -14,10 +14,10 @@ Some facts about io_uring that shape the ring backend:
   posted only when it asks (``io_uring_get_events``). The ring is created, used and closed on the loop
   thread; that is checked on every submit.
 * Buffered reads that hit the page cache complete inline inside ``io_uring_enter``, on the loop thread.
-  ``async_io=True`` sets IOSQE_ASYNC on every read SQE (and write SQE, unless ``async_writes=False``)
-  so the work goes to io-wq threads instead. Native
-  pumps of small blocks may go inline anyway (``pump(inline=True)``): their C reap loop bounds the
-  time it holds the loop (``reap_budget_ns``) and asks for another loop turn for the rest.
+  ``async_io=True`` sets IOSQE_ASYNC on every read SQE (and every write SQE, unless
+  ``async_writes=False``) so the work goes to io-wq threads instead. Native pumps of small blocks
+  may go inline anyway (``pump(inline=True)``): their C reap loop bounds the time it holds the loop
+  (``reap_budget_ns``) and asks for another loop turn for the rest.
 """
 
 from __future__ import annotations
