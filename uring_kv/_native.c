@@ -442,7 +442,6 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
     pump_next_or_release(r, p, s);
 }
 
-/* A copy job of the slot's block is over (rc: 0, or why it failed). */
 /* A store's block is in slot s (its copy is done): write it, or park the slot while the ring is at
  * its cap. */
 static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
@@ -455,6 +454,7 @@ static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     pump_next_or_release(r, p, s);
 }
 
+/* A copy job of the slot's block is over (rc: 0, or why it failed). */
 static void pump_copied(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int rc) {
     if (s >= p->max_slots || p->state[s] != SLOT_COPY) return;
     if (!rc && p->write) {
@@ -494,11 +494,12 @@ static void pumps_settle(struct ukv_ring *r) {
                 p->park_head = (p->park_head + 1) % p->max_slots;
                 p->nparked--;
                 r->nparked--;
-                if (p->slot_block[s] < 0) p->parked_empty--;
-                if (p->slot_block[s] >= 0) /* a store's block, copied into the slot (there is room) */
+                if (p->slot_block[s] >= 0) { /* a store's block, copied into the slot (there is room) */
                     pump_write(r, p, s);
-                else if (!(pump_may_refill(p) && pump_begin(r, p, s) == 0))
-                    pump_release(p, s);
+                    continue;
+                }
+                p->parked_empty--;
+                if (!(pump_may_refill(p) && pump_begin(r, p, s) == 0)) pump_release(p, s);
             }
         }
     }
