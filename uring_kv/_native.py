@@ -580,6 +580,6 @@ class CopyJobs:
             self._c = None
 
 
-PUMP_TAG = 1 << 63  # tokens of pumps' copy jobs (UKV_PUMP_TAG)
+PUMP_TAG = int(_lib.UKV_PUMP_TAG)  # the tag bit of pumps' user_data and copy job tokens
 FAIL_ENQUEUE = int(_lib.UKV_FAIL_ENQUEUE)
 FAIL_WAIT = int(_lib.UKV_FAIL_WAIT)
