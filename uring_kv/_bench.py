@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from uring_kv._engine import PUMP_INLINE_PASS_BYTES, Engine
+from uring_kv._engine import Engine, slots_copy_inline
 from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
 from uring_kv._native import ring_loop
@@ -620,7 +620,7 @@ def spare_slots(config: BenchConfig, device: torch.device, block_bytes: int) -> 
     have no turnaround to hide."""
     if config.spare_slots is not None:
         return config.spare_slots
-    if device.type == "cuda" or config.slots * round_up(block_bytes, 4096) > PUMP_INLINE_PASS_BYTES:
+    if device.type == "cuda" or not slots_copy_inline(config.slots, round_up(block_bytes, 4096)):
         return config.slots // 2
     return 0
 

@@ -104,6 +104,14 @@ PUMP_INLINE_PASS_BYTES = 1 << 20  # ... and only while all slots together hold a
 PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
 
 
+def slots_copy_inline(num_slots: int, stride: int) -> bool:
+    """Whether all slots together hold at most PUMP_INLINE_PASS_BYTES: then a reap pass (which
+    refills each slot at most once) or a pump's start may copy every slot's block on the loop. CPU
+    mode's pumps copy inline only then, and only then submit O_DIRECT without IOSQE_ASYNC; beyond,
+    copies are jobs for the native copier, as in GPU mode."""
+    return num_slots * stride <= PUMP_INLINE_PASS_BYTES
+
+
 class TransferHandle:
     """A batch whose copies are enqueued. ``event`` (GPU mode) fires when every block has arrived
     on the device (load) or in the staging slots (store); ``await handle`` waits until the batch is
@@ -295,15 +303,15 @@ class Engine:
         #   inline-copy set-ups keep it inline (their 16 KiB O_DIRECT loads reach the ring ceiling so);
         # - never writes to a buffered file: forced onto io-wq, hot 2 MiB stores burned ~9x the CPU
         #   and held the loop up to 5.4 ms (waiting for a core), at the same throughput as without.
-        direct_async = self.gpu or self.num_slots * self.file.stride > PUMP_INLINE_PASS_BYTES
+        few_slots = slots_copy_inline(self.num_slots, self.file.stride)
+        direct_async = self.gpu or not few_slots
         forced = os.environ.get("URING_KV_SQE_ASYNC", "")
         async_io = {"1": True, "0": False}.get(forced, direct_async or not self.file.direct)
         async_writes = {"1": True, "0": False}.get(forced, direct_async and self.file.direct)
         # Except for native pumps of small blocks: handing each to an io-wq worker costs more than
         # the copy, and their reap bounds how long it holds the loop (see _io.REAP_BUDGET_US).
         # A reap pass refills each slot at most once, so a pass copies at most slots × block inline.
-        self._pump_inline = (forced != "1" and self.file.stride <= PUMP_INLINE_BYTES
-                             and self.num_slots * self.file.stride <= PUMP_INLINE_PASS_BYTES)
+        self._pump_inline = forced != "1" and self.file.stride <= PUMP_INLINE_BYTES and few_slots
         capped = self.io_depth < self.num_slots
         self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=async_io,
                                           async_writes=async_writes, depth=self.io_depth if capped else None)
@@ -338,8 +346,7 @@ class Engine:
         # mode, large or slowed host copies, many slots), whose finished jobs the ring then collects
         # (their slots move on in C).
         uring = isinstance(self.io, UringBackend) and os.environ.get("URING_KV_PUMP", "1") != "0"
-        inline = (isinstance(self.copier, HostCopier) and self.copier.inline_blocks >= 1
-                  and self.num_slots * self.file.stride <= PUMP_INLINE_PASS_BYTES)
+        inline = isinstance(self.copier, HostCopier) and self.copier.inline_blocks >= 1 and few_slots
         link = self.copier.link
         self._pump_copies: PumpCopies | None = None
         self._pumped_batches = uring and not self.checksum and (not capped if inline else link is not None)
