@@ -68,6 +68,12 @@ def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return str(request.param)
 
 
+def pumps_on(io_mode: str) -> bool:
+    """Whether engines made now may run batches in native pumps: on io_uring (``io_mode``), with
+    ``URING_KV_PUMP`` not 0 (``uring-python`` and some tests set it)."""
+    return io_mode == "uring" and os.environ.get("URING_KV_PUMP") != "0"
+
+
 @pytest.fixture
 async def backend(io_mode: str) -> AsyncIterator[IOBackend]:
     io = open_backend(io_mode)

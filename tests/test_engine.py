@@ -18,7 +18,15 @@ import anyio
 import pytest
 import torch
 from aio import gather, run_then_cancel, settle, task_group
-from conftest import BOTH_BACKENDS, EngineFactory, random_caches, release_on_submit, reported_errors, seed_race
+from conftest import (
+    BOTH_BACKENDS,
+    EngineFactory,
+    pumps_on,
+    random_caches,
+    release_on_submit,
+    reported_errors,
+    seed_race,
+)
 
 from uring_kv import BlockIOError, Engine
 from uring_kv._copy import HostCopier
@@ -71,8 +79,7 @@ async def test_seed_race_never_delivers_another_blocks_bytes(make_engine: Engine
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 32, num_slots=2, copy_delay=0.003) as engine:
         assert await seed_race(engine, caches, calls=25) == 0
-        pumps_on = io_mode == "uring" and os.environ.get("URING_KV_PUMP") != "0"
-        assert (engine.stats()["pumped_batches"] > 0) == pumps_on
+        assert (engine.stats()["pumped_batches"] > 0) == pumps_on(io_mode)
 
 
 async def test_seed_race_detector_catches_release_on_submit(make_engine: EngineFactory,
@@ -440,8 +447,7 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
         assert info.value.failures == {2: 5}
         assert len(errors) == 1 and "copy failed" in str(errors[0])
         pumped = engine.stats()["pumped_batches"]
-        pumps_on = io_mode == "uring" and os.environ.get("URING_KV_PUMP") != "0"
-        assert pumped == (2 if path == "pumped-copy" and pumps_on else 0)  # this store, store_identity's
+        assert pumped == (2 if path == "pumped-copy" and pumps_on(io_mode) else 0)  # this store, store_identity's
         with pytest.raises(BlockIOError, match="disk block"):
             await engine.load_batch([2], [6])
         await engine.load_batch([1], [7])  # the others are intact, the engine goes on
