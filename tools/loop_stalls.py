@@ -160,9 +160,9 @@ def _timed_run(self: asyncio.events.Handle) -> None:
     finally:
         took = time.monotonic() - start
         ran = time.thread_time() - start_cpu
-        loop_turn["ran"].append((_name(self), start, took))
+        name = _name(self)
+        loop_turn["ran"].append((name, start, took))
         if windows[0] == window:  # (the step that ends a measurement runs the bench's own code after it)
-            name = _name(self)
             stats[(method, name)].append(took)
             if took > SLOW_S and method == "uring_kv":
                 slow.append((took, method, name, dict(phases), reaped[0], ran))
