@@ -1,5 +1,6 @@
-"""CUDA-only behaviour (skipped without a GPU): 32 bf16 layers byte-exact, after= ordering, the
-enqueued form's event, and pinned staging registered with CUDA."""
+"""CUDA-only behaviour (skipped without a GPU): 32 bf16 layers byte-exact, ordering after an
+after= event or the caller's current stream, the enqueued form's event, and pinned staging
+registered with CUDA."""
 
 from __future__ import annotations
 
@@ -108,6 +109,58 @@ async def test_load_after_event_lands_after_the_last_user(tmp_path: Path) -> Non
                 t[4].fill_(9.0)  # the last user of block 4 writes it late
             last_use.record(side)
         await engine.load_batch([2], [4], after=last_use)
+        torch.cuda.synchronize()
+        assert all(bool((t[4] == 1.0).all()) for t in caches.values())
+
+
+def current_stream(which: str) -> Any:
+    return torch.cuda.Stream() if which == "side" else torch.cuda.default_stream()
+
+
+@pytest.mark.parametrize("form", ["awaited", "enqueued"])
+@pytest.mark.parametrize("which", ["default", "side"])
+async def test_store_waits_for_the_callers_current_stream(tmp_path: Path, which: str, form: str) -> None:
+    """Without after=, a store copies the block only after the work queued so far on the caller's
+    current stream (the legacy default stream, or one the caller made current): ordered after
+    nothing, it would copy the bytes from before the late fill."""
+    caches = bf16_layers(layers=4, blocks=8)
+    async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=2) as engine:
+        # Every kernel once first: a kernel's first launch may load its module, which waits for the
+        # work in flight (the sleep below) and would order the store by itself.
+        for t in caches.values():
+            t[3].fill_(0.0)
+        await engine.store_batch([0], [7])
+        await engine.load_batch([7], [1])
+        torch.cuda.synchronize()
+        with torch.cuda.stream(current_stream(which)):
+            torch.cuda._sleep(200_000_000)
+            for t in caches.values():
+                t[3].fill_(7.0)
+            if form == "awaited":
+                await engine.store_batch([3], [5])
+            else:
+                await (await engine.store_batch_async([3], [5]))
+        await engine.load_batch([5], [6])
+        torch.cuda.synchronize()
+        assert all(bool((t[6] == 7.0).all()) for t in caches.values())
+
+
+@pytest.mark.parametrize("which", ["default", "side"])
+async def test_load_lands_after_the_callers_current_stream(tmp_path: Path, which: str) -> None:
+    """Without after=, a load's bytes land after the work queued so far on the caller's current
+    stream: the late write there by the block's last user comes first, the loaded bytes win."""
+    caches = bf16_layers(layers=4, blocks=8)
+    async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=2) as engine:
+        for t in caches.values():
+            t[1].fill_(1.0)
+        await engine.store_batch([1], [2])
+        await engine.load_batch([2], [0])  # every kernel once first: see the store test
+        torch.cuda.synchronize()
+        with torch.cuda.stream(current_stream(which)):
+            torch.cuda._sleep(200_000_000)
+            for t in caches.values():
+                t[4].fill_(9.0)
+            await engine.load_batch([2], [4])
         torch.cuda.synchronize()
         assert all(bool((t[4] == 1.0).all()) for t in caches.values())
 

@@ -94,6 +94,7 @@ class _Pumped:
     wake: Any = None  # the driver waits on it while the pump holds slots
     waits: int = 0  # slot waits observed by the driver
     finished: bool = False
+    handle_event: bool = True  # the caller gets a handle whose event must be made (not load/store_batch)
 
 
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
@@ -638,7 +639,7 @@ class Engine:
         else:
             self._pump_phase_finished(run)
         self._metrics[batch.kind].slot_wait_s.observe(0.0, max(0, started - run.waits))
-        if started:  # every copy of the batch is done: an event that has fired (GPU: once recorded)
+        if started and run.handle_event:  # every copy is done: an event that has fired (GPU: once recorded)
             batch.last_event = self.copier.settled_event(batch.kind is Kind.STORE)
         batch.remaining = batch.to_enqueue = 0
         batch.enqueued.set_result(batch.last_event)
@@ -656,6 +657,7 @@ class Engine:
     async def _run(self, batch: _Batch, blocks: list[_Block] | _Pumped, wait: bool) -> TransferHandle:
         try:
             if isinstance(blocks, _Pumped):
+                blocks.handle_event = not wait  # awaited whole, the handle never reaches the caller
                 handle = await self._drive_pumped(blocks)
             else:
                 handle = await self._drive(batch, blocks)
@@ -683,24 +685,21 @@ class Engine:
                 self._seen_disk = bitmap(self.num_disk_blocks)
             if (dup := check_blocks(disk_c, len(disk), self.num_disk_blocks, self._seen_disk)) >= 0:
                 raise ValueError(f"disk block {disk[dup]} appears twice in one store batch")
-        if not self.gpu:
-            if after is not None:
+        if after is not None:
+            if not self.gpu:
                 raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
-            return _Args(disk, gpu, None, disk_c, gpu_c)
-        import torch
+            import torch
 
-        if after is not None and not isinstance(after, torch.cuda.Event):
-            raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
-        if after is None and disk:
-            # Default ordering: after whatever the caller's current stream has queued so far.
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
+            if not isinstance(after, torch.cuda.Event):
+                raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
         return _Args(disk, gpu, after, disk_c, gpu_c)
 
     def _new_batch(self, kind: Kind, after: Any, count: int) -> _Batch:
         batch = _Batch(kind, count, self._svc.create_future(), self._svc.create_future(), count,
                        size=count)
-        if after is not None:  # every copy of this batch, whenever enqueued, runs after the caller's work
+        if self.gpu and (after is not None or count):
+            # Every copy of this batch, whenever enqueued, runs after the caller's work: ``after``,
+            # or by default whatever the caller's current stream holds now.
             self.copier.order_after(kind is Kind.STORE, after)
         self._active.add(batch)
         if count == 0:

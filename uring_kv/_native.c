@@ -718,6 +718,7 @@ typedef int (*launch_fn)(uint64_t func, unsigned gx, unsigned gy, unsigned gz, u
                          unsigned shared, void *stream, void **params, void **extra);
 typedef int (*ctx_get_fn)(uint64_t *ctx);
 typedef int (*ctx_set_fn)(uint64_t ctx);
+typedef int (*stream_wait_fn)(void *stream, uint64_t event, unsigned flags);
 enum { UKV_EVENT_BLOCKING_SYNC = 0x1, UKV_EVENT_DISABLE_TIMING = 0x2 };
 
 static event_create_fn p_event_create;
@@ -726,6 +727,7 @@ static event_record_fn p_event_record;
 static launch_fn p_launch;
 static ctx_get_fn p_ctx_get;
 static ctx_set_fn p_ctx_set;
+static stream_wait_fn p_stream_wait;
 static event_fn p_stream_sync; /* cuStreamSynchronize: CUstream is a pointer, passed as uint64_t */
 static memcpy_htod_fn p_htod;
 static memcpy_dtoh_fn p_dtoh;
@@ -752,8 +754,9 @@ int ukv_cuda_load(void) {
     p_ctx_get = (ctx_get_fn)dlsym(lib, "cuCtxGetCurrent");
     p_ctx_set = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
     p_stream_sync = (event_fn)dlsym(lib, "cuStreamSynchronize");
+    p_stream_wait = (stream_wait_fn)dlsym(lib, "cuStreamWaitEvent");
     int events = p_event_create && p_event_destroy && p_event_sync && p_event_query && p_event_record &&
-                 p_ctx_get && p_ctx_set;
+                 p_ctx_get && p_ctx_set && p_stream_wait;
     return p_htod && p_dtoh && events ? 0 : -ENOSYS;
 }
 
@@ -829,14 +832,50 @@ static int use_ctx(uint64_t ctx) {
 /* Make `ctx` current on the calling thread (a worker about to use the driver directly). */
 int ukv_cuda_ctx_use(uint64_t ctx) { return use_ctx(ctx); }
 
+/* Calls made on the caller's own threads (the event loop's) borrow `ctx` for the call and then
+ * give the thread back the context it had: the CUDA runtime takes a thread's current device from
+ * its current context, so leaving ours there would move the caller's current device. */
+static int borrow_ctx(uint64_t ctx, uint64_t *prev) {
+    *prev = ctx;
+    int rc = p_ctx_get(prev);
+    if (rc) *prev = ctx;
+    else if (*prev != ctx) rc = p_ctx_set(ctx);
+    return rc;
+}
+
+static int give_back_ctx(uint64_t ctx, uint64_t prev, int rc) {
+    if (prev != ctx) {
+        int back = p_ctx_set(prev);
+        if (!rc) rc = back;
+    }
+    return rc;
+}
+
 int ukv_cuda_event_new(uint64_t ctx, uint64_t *event) {
-    int rc = use_ctx(ctx);
-    return rc ? rc : p_event_create(event, UKV_EVENT_BLOCKING_SYNC | UKV_EVENT_DISABLE_TIMING);
+    uint64_t prev;
+    int rc = borrow_ctx(ctx, &prev);
+    if (!rc) rc = p_event_create(event, UKV_EVENT_BLOCKING_SYNC | UKV_EVENT_DISABLE_TIMING);
+    return give_back_ctx(ctx, prev, rc);
 }
 
 int ukv_cuda_event_free(uint64_t ctx, uint64_t event) {
-    int rc = use_ctx(ctx);
-    return rc ? rc : p_event_destroy(event);
+    uint64_t prev;
+    int rc = borrow_ctx(ctx, &prev);
+    if (!rc) rc = p_event_destroy(event);
+    return give_back_ctx(ctx, prev, rc);
+}
+
+/* Order `nstreams` streams after the work on `caller`: record `event` there (when `record`; else
+ * `event` was recorded by the caller), then make each stream wait for it. A stream waits for the
+ * record current when it is told to wait, so one event serves every batch. `caller` 0 is the
+ * legacy default stream of `ctx`, which is why the context is borrowed for the call. */
+int ukv_cuda_order_after(uint64_t ctx, int record, uint64_t caller, uint64_t event, const uint64_t *streams,
+                         unsigned nstreams) {
+    uint64_t prev;
+    int rc = borrow_ctx(ctx, &prev);
+    if (!rc && record) rc = p_event_record(event, (void *)(uintptr_t)caller);
+    for (unsigned i = 0; i < nstreams && !rc; i++) rc = p_stream_wait((void *)(uintptr_t)streams[i], event, 0);
+    return give_back_ctx(ctx, prev, rc);
 }
 
 /* Blocks (sleeping in the driver: the events are BLOCKING_SYNC) until the event has fired. */

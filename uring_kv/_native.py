@@ -279,8 +279,8 @@ class NativePump:
             _lib.ukv_pump_detach(self._ring._ring, self._p)
 
 
-def dev_slot_array(values: Sequence[int]) -> Any:
-    """Device addresses as a C uint64 array (see :class:`PumpCopies`)."""
+def u64_array(values: Sequence[int]) -> Any:
+    """Device addresses (see :class:`PumpCopies`) or driver handles as a C uint64 array."""
     return ffi.new("uint64_t[]", values)
 
 
@@ -442,6 +442,15 @@ def cuda_use_context(ctx: int) -> None:
     rc = _lib.ukv_cuda_ctx_use(ctx)
     if rc:
         raise CudaError(int(rc), "cuCtxSetCurrent")
+
+
+def cuda_order_after(ctx: int, event: int, streams: Any, nstreams: int, caller: int | None) -> None:
+    """Make ``nstreams`` streams (a C uint64 array) wait for the work enqueued so far on the stream
+    ``caller`` (``event`` is recorded there first), or, ``caller`` None, for ``event`` as already
+    recorded. The calling thread's current context is the same afterwards."""
+    rc = _lib.ukv_cuda_order_after(ctx, caller is not None, caller or 0, event, streams, nstreams)
+    if rc:
+        raise CudaError(int(rc), "cuEventRecord/cuStreamWaitEvent")
 
 
 class CudaEvent:
