@@ -576,9 +576,10 @@ class Engine:
                     lease = await self.pool.acquire(kind)
                     self._metrics[kind].slot_wait_s.observe(time.monotonic() - waited)
                     run.waits += 1
+                    lease.hand_to_pump()
                     leases = [lease]  # and whatever else is free for the blocks left, in one hand-over
                     if (left := pump.nblocks - pump.started - 1) > 0 and self.pool.free:
-                        leases += self.pool.try_acquire(kind, min(left, self.pool.free))
+                        leases += self.pool.take_for_pump(kind, left)
                     self._pump_grow(run, leases)
                 else:
                     run.wake = self._svc.create_future()
@@ -590,10 +591,13 @@ class Engine:
         return TransferHandle(batch, batch.last_event, self._svc)
 
     def _pump_grow(self, run: _Pumped, leases: list[Lease]) -> None:
+        """Give the pump ``leases`` (PUMPING already): their slots are its until it hands them back."""
+        indices, addrs = [], []
         for lease in leases:
-            lease.hand_to_pump()
+            indices.append(lease.index)
+            addrs.append(lease.addr)
         assert isinstance(self.io, UringBackend)
-        self.io.pump_slots(run.pump, [lease.index for lease in leases], [lease.addr for lease in leases])
+        self.io.pump_slots(run.pump, indices, addrs)
         self._pump_progress(run)
 
     def _pump_progress(self, run: _Pumped) -> None:
@@ -610,7 +614,7 @@ class Engine:
                 release(leases[index])  # PUMPING → FREE: the pump's last I/O and memcpy in it are done
         left = pump.nblocks - pump.started - pump.unstarted_slots  # blocks no slot is meant for yet
         if left > 0 and pump.slots and self.pool.free and not pump.stopped:
-            more = self.pool.try_acquire(run.batch.kind, min(left, self.pool.free))
+            more = self.pool.take_for_pump(run.batch.kind, left)
             if more:
                 self._pump_grow(run, more)
                 return

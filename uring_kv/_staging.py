@@ -15,11 +15,13 @@ says it is finished:
 
     load:   FREE -> RESERVED -> READING --(read CQE)--> COPYING --(copy event)--> FREE
     store:  FREE -> RESERVED -> COPYING --(copy event)--> WRITING --(write CQE)--> FREE
-    pumped: FREE -> RESERVED -> PUMPING --(the pump hands the slot back)--> FREE
+    pumped: FREE -> [RESERVED ->] PUMPING --(the pump hands the slot back)--> FREE
 
-A PUMPING slot belongs to a native pump (CPU mode, see ``_native.c``), which carries one block after
-another through it, each read-then-memcpy or memcpy-then-write, and hands it back only after the
-CQE of the last one (and its memcpy): the same rule, applied in C.
+A PUMPING slot belongs to a native pump (see ``_native.c``), which carries one block after another
+through it, each read then copy or copy then write (a memcpy, or a copy job whose event the native
+copier saw fire), and hands it back only after the last one's CQE and copy: the same rule, applied
+in C. A pump's first slot is acquired like any other (RESERVED, it may wait in the queue); the free
+slots it gets beside it go to it directly (:meth:`SlotPool.take_for_pump`).
 
 The read/write CQE handler and the bridge's copy-event handler are the only callers of
 :meth:`SlotPool.release` for a lease that has been handed to the kernel or the copy engine. The single
@@ -151,6 +153,21 @@ class SlotPool:
         if self._may_bypass(kind):
             while self._free and len(got) < limit:
                 got.append(self._grant(self._free.popleft(), kind))
+        return got
+
+    def take_for_pump(self, kind: Kind, limit: int) -> list[Lease]:
+        """Up to ``limit`` free leases handed straight to a native pump (FREE → PUMPING, i.e.
+        :meth:`try_acquire` and :meth:`Lease.hand_to_pump` in one pass), without jumping the queue."""
+        got: list[Lease] = []
+        free = self._free
+        count = min(limit, len(free))
+        if count > 0 and self._may_bypass(kind):
+            now, pumping = time.monotonic(), LeaseState.PUMPING
+            for _ in range(count):
+                lease = free.popleft()
+                lease.state, lease.kind, lease.since = pumping, kind, now
+                got.append(lease)
+            self.reissues += count
         return got
 
     async def acquire(self, kind: Kind) -> Lease:
