@@ -172,8 +172,7 @@ int ukv_cuda_ctx_current(uint64_t *ctx);
 int ukv_cuda_ctx_use(uint64_t ctx);
 int ukv_cuda_event_new(uint64_t ctx, uint64_t *event);
 int ukv_cuda_event_free(uint64_t ctx, uint64_t event);
-int ukv_cuda_order_after(uint64_t ctx, int record, uint64_t caller, uint64_t event, const uint64_t *streams,
-                         unsigned nstreams);
+int ukv_cuda_order_after(uint64_t ctx, uint64_t caller, uint64_t event, const uint64_t *streams, unsigned nstreams);
 int ukv_cuda_event_sync(uint64_t ctx, uint64_t event);
 int ukv_cuda_event_query(uint64_t event);
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,

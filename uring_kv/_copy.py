@@ -465,7 +465,7 @@ class CudaCopier(_NativeUser):
         self._free: list[CudaEvent] = []
         self._events: list[CudaEvent] = []
         # Ordering each batch after the caller's stream: one driver event, recorded there and waited
-        # for by the lanes in one C call (a torch.cuda.Event per batch cost ~0.1 ms of the loop).
+        # for by the lanes in one C call (a torch.cuda.Event per batch cost ~0.05 ms more of the loop).
         self._order_event = CudaEvent(self._ctx)
         self._events.append(self._order_event)
         self._lane_streams = {to_slot: (u64_array([lane.stream.cuda_stream for lane in lanes]), len(lanes))
@@ -502,7 +502,7 @@ class CudaCopier(_NativeUser):
         else:
             caller = int(self._torch.cuda.current_stream(self.device).cuda_stream)
         streams, count = self._lane_streams[to_slot]
-        cuda_order_after(self._ctx, self._order_event.handle, streams, count, caller)
+        cuda_order_after(self._ctx, caller, self._order_event.handle, streams, count)
 
     def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
              on_done: Callable[[BaseException | None], None]) -> None:

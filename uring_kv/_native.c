@@ -865,15 +865,14 @@ int ukv_cuda_event_free(uint64_t ctx, uint64_t event) {
     return give_back_ctx(ctx, prev, rc);
 }
 
-/* Order `nstreams` streams after the work on `caller`: record `event` there (when `record`; else
- * `event` was recorded by the caller), then make each stream wait for it. A stream waits for the
- * record current when it is told to wait, so one event serves every batch. `caller` 0 is the
- * legacy default stream of `ctx`, which is why the context is borrowed for the call. */
-int ukv_cuda_order_after(uint64_t ctx, int record, uint64_t caller, uint64_t event, const uint64_t *streams,
-                         unsigned nstreams) {
+/* Order `nstreams` streams after the work on `caller`: record `event` there, then make each stream
+ * wait for it. A stream waits for the record current when it is told to wait, so one event serves
+ * every batch. `caller` 0 is the legacy default stream of `ctx`, which is why the context is
+ * borrowed for the call. */
+int ukv_cuda_order_after(uint64_t ctx, uint64_t caller, uint64_t event, const uint64_t *streams, unsigned nstreams) {
     uint64_t prev;
     int rc = borrow_ctx(ctx, &prev);
-    if (!rc && record) rc = p_event_record(event, (void *)(uintptr_t)caller);
+    if (!rc) rc = p_event_record(event, (void *)(uintptr_t)caller);
     for (unsigned i = 0; i < nstreams && !rc; i++) rc = p_stream_wait((void *)(uintptr_t)streams[i], event, 0);
     return give_back_ctx(ctx, prev, rc);
 }

@@ -444,11 +444,11 @@ def cuda_use_context(ctx: int) -> None:
         raise CudaError(int(rc), "cuCtxSetCurrent")
 
 
-def cuda_order_after(ctx: int, event: int, streams: Any, nstreams: int, caller: int | None) -> None:
+def cuda_order_after(ctx: int, caller: int, event: int, streams: Any, nstreams: int) -> None:
     """Make ``nstreams`` streams (a C uint64 array) wait for the work enqueued so far on the stream
-    ``caller`` (``event`` is recorded there first), or, ``caller`` None, for ``event`` as already
-    recorded. The calling thread's current context is the same afterwards."""
-    rc = _lib.ukv_cuda_order_after(ctx, caller is not None, caller or 0, event, streams, nstreams)
+    ``caller``: ``event`` is recorded there, and they wait for it. The calling thread's current
+    context is the same afterwards."""
+    rc = _lib.ukv_cuda_order_after(ctx, caller, event, streams, nstreams)
     if rc:
         raise CudaError(int(rc), "cuEventRecord/cuStreamWaitEvent")
 
