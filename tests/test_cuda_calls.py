@@ -38,8 +38,9 @@ def fake_driver(tmp_path: Path) -> Driver:
         log.unlink(missing_ok=True)
         env = {**os.environ, "FAKE_CUDA_LOG": str(log),
                "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("LD_LIBRARY_PATH")]))}
-        done = subprocess.run([sys.executable, "-c", PRELUDE + code], env=env, capture_output=True, text=True,
-                              timeout=120)
+        # cwd: not the checkout, whose uring_kv (unbuilt in a fresh clone) would shadow the installed one
+        done = subprocess.run([sys.executable, "-c", PRELUDE + code], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return log.read_text().splitlines() if log.exists() else []
 
