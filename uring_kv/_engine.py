@@ -456,6 +456,10 @@ class Engine:
     async def load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int], after: Any = None) -> None:
         """Read ``disk_blocks`` into ``gpu_blocks``; returns once the bytes are on the device.
 
+        GPU mode: the copies into ``gpu_blocks`` run after ``after`` (a ``torch.cuda.Event``, e.g.
+        recorded after the blocks' last use), or by default after the work queued so far on the
+        caller's current stream.
+
         If cancelled, no further block is started, and the call returns (raising CancelledError)
         only once the blocks already started have finished: after it, the engine no longer touches
         ``gpu_blocks``."""
@@ -464,6 +468,10 @@ class Engine:
 
     async def store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int], after: Any = None) -> None:
         """Write ``gpu_blocks`` to ``disk_blocks``; returns once the bytes are in the file.
+
+        GPU mode: the copies out of ``gpu_blocks`` run after ``after`` (a ``torch.cuda.Event``
+        recorded once the blocks are written), or by default after the work queued so far on the
+        caller's current stream.
 
         Cancellation works as for :meth:`load_batch`: the blocks already started are written (their
         GPU bytes were already copied out) before the CancelledError propagates."""
