@@ -51,6 +51,11 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     assert pooled["samples"] == sum(r["lag_samples"] for r in rows if r["method"] == "uring_kv") > 0
     assert pooled["max_ms"] == pytest.approx(max(r["lag_max_ms"] for r in rows if r["method"] == "uring_kv"), abs=1e-3)
     assert pooled["p50_ms"] <= pooled["p99_ms"] <= pooled["max_ms"]
+    idle = result["idle_loop_lag"]  # the same probe while the ring ceiling ran on a worker thread
+    assert idle["samples"] == sum(r["lag_samples"] for r in rows if r["method"] == "ring ceiling") > 0
+    assert idle["max_ms"] == pytest.approx(max(r["lag_max_ms"] for r in rows if r["method"] == "ring ceiling"),
+                                           abs=1e-3)
+    assert idle["p50_ms"] <= idle["p99_ms"] <= idle["max_ms"]
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
     assert "verified: all" in capsys.readouterr().out
