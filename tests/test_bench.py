@@ -44,7 +44,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     assert {"serial", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
     extra = result["extra"][str(64 << 10)]
     assert extra["pinned_bytes"] == 6 * 64 * 1024  # 4 slots of depth and 2 spare
-    assert extra["io_depth"] == 4 and extra["slots"] == 6
+    assert extra["io_depth"] == 4 and extra["slots"] == 6 and extra["batches"] == 2
     assert extra["pumped_batches_cold"] == 0  # checksums need Python per block: no pumps
     assert all("lag_ms" not in row for row in rows)  # the samples are pooled, not in the JSON
     # every uring_kv row's samples together; the same probe while the ring ceiling ran on a worker thread
@@ -132,6 +132,20 @@ def test_lag_ticker_sees_a_stalled_loop() -> None:
     assert max(stalled.samples) >= 0.015
     assert max(stalled.timer_samples) >= 0.015
     assert sorted(idle.samples)[len(idle.samples) // 2] < 0.005  # a loop at rest answers at once
+
+
+def test_default_batches_move_about_the_same_bytes_per_block_size() -> None:
+    from uring_kv._bench import batches_for
+
+    config = BenchConfig()  # batches of 256 blocks
+    assert batches_for(config, 2 << 20) == 4  # 512 MiB a batch: the floor
+    assert batches_for(config, 1 << 20) == 4
+    assert batches_for(config, 256 << 10) == 8
+    assert batches_for(config, 128 << 10) == 16
+    assert batches_for(config, 4 << 10) == 16  # the cap
+    assert Workload(BenchConfig(size=1 << 20, layers=2, batch=4), 8192, torch.device("cpu")).batches == 16
+    config.batches = 3  # --batches wins
+    assert batches_for(config, 128 << 10) == batches_for(config, 2 << 20) == 3
 
 
 def test_bench_detects_wrong_bytes() -> None:

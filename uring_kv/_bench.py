@@ -50,7 +50,7 @@ class BenchConfig:
     block_sizes: list[int] = field(default_factory=lambda: [128 << 10, 2 << 20])
     layers: int = 32
     batch: int = 256
-    batches: int = 4
+    batches: int | None = None  # measured rounds per block size (None: batches_for's default)
     warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
     gc_freeze: bool = True  # collect and freeze the heap before measuring (see _frozen_heap)
     slots: int = 32  # uring_kv's I/O depth and the ring ceiling's
@@ -248,7 +248,8 @@ class Workload:
         self.caches = [torch.empty(self.gpu_blocks, per_layer // 2, dtype=torch.bfloat16, device=device)
                        for _ in range(config.layers)]
         rng = random.Random(block_bytes)
-        rounds = config.warmup + config.batches
+        self.batches = batches_for(config, block_bytes)
+        rounds = config.warmup + self.batches
         self.load_batches = [rng.sample(range(self.num_disk_blocks), config.batch) for _ in range(rounds)]
         self.gpu_order = [rng.sample(range(self.gpu_blocks), config.batch) for _ in range(rounds)]
 
@@ -518,7 +519,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
             stats = engine.stats()
             extra.update(pinned_bytes=stats["pinned_bytes"], slots=config.slots + spare, io_depth=stats["io_depth"],
-                         io=stats["io"], copy=stats["copy"])
+                         io=stats["io"], copy=stats["copy"], batches=work.batches)
             serial = SerialBaseline(work, fd, stride)
             pool = ThreadPoolBaseline(work, fd, stride, config.threads)
             ceiling = RingCeiling(fd, stride, config.slots)
@@ -609,6 +610,21 @@ def _ratios(rows: list[Row]) -> None:
         for other in rows:
             if other.method == "pcie ceiling" and other.op == row.op:
                 row.ratios["pcie ceiling"] = row.gbps / other.gbps
+
+
+# A row should measure more than a few short batches: 4 batches of 256 blocks of 128 KiB last ~70 ms
+# on the H200's disk, whose throughput moves by ±20 % from one batch to the next, and the ratio to
+# the ring ceiling read 0.77–0.95 from run to run (0.90–0.93 with 16; benchmarks.md).
+DEFAULT_BATCH_BYTES = 512 << 20  # what each method moves per row by default, in 4 to 16 batches
+
+
+def batches_for(config: BenchConfig, block_bytes: int) -> int:
+    """Measured batches per method at ``block_bytes``: ``config.batches``, or by default enough
+    to move DEFAULT_BATCH_BYTES, at least 4 and at most 16 (2 MiB: 4; 128 KiB: 16)."""
+    if config.batches is not None:
+        return config.batches
+    per_batch = config.batch * block_bytes
+    return max(4, min(16, -(-DEFAULT_BATCH_BYTES // per_batch)))
 
 
 def spare_slots(config: BenchConfig, device: torch.device, block_bytes: int) -> int:

@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                        "default 128K and 2M)")
     bench.add_argument("--layers", type=int, default=32)
     bench.add_argument("--batch", type=int, default=256, help="blocks per batch")
-    bench.add_argument("--batches", type=_at_least(1), default=4, help="measured batches per method")
+    bench.add_argument("--batches", type=_at_least(1), default=None,
+                       help="measured batches per method (default: enough to move 512 MiB per row, "
+                            "4 to 16: 16 at 128K, 4 at 2M)")
     bench.add_argument("--warmup", type=_at_least(0), default=1,
                        help="unmeasured batches per method first (default 1)")
     bench.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
