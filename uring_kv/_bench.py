@@ -614,7 +614,7 @@ def _ratios(rows: list[Row]) -> None:
 
 # A row should measure more than a few short batches: 4 batches of 256 blocks of 128 KiB last ~70 ms
 # on the H200's disk, whose throughput moves by ±20 % from one batch to the next, and the ratio to
-# the ring ceiling read 0.77–0.95 from run to run (0.90–0.93 with 16; benchmarks.md).
+# the ring ceiling read 0.77–0.95 from run to run (0.88–0.93 with 16; benchmarks.md).
 DEFAULT_BATCH_BYTES = 512 << 20  # what each method moves per row by default, in 4 to 16 batches
 
 
