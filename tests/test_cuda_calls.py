@@ -1,7 +1,9 @@
 """The CUDA driver calls made on the caller's thread, checked on any machine against a stand-in
 ``libcuda.so.1`` (``tests/data/fake_cuda.c``, built here) that logs every call with the thread's
 current context: a batch ordered after the caller's stream in one call, and the engine's context
-borrowed for the call only, so that the caller's current device never moves."""
+borrowed for the call only, so that the caller's current device never moves. The stand-in's events
+can also be held until the test fires them, which checks the native copier's bridge: a job is
+collected only once its own event has fired."""
 
 from __future__ import annotations
 
@@ -99,3 +101,46 @@ assert _native.cuda_current_context() == 0xc0
         "set 0xc1 0 ctx=0xc0", "create 0xe0 0x3 ctx=0xc1", "set 0xc0 0 ctx=0xc1",
         "set 0xc1 0 ctx=0xc0", "destroy 0xe0 0 ctx=0xc1", "set 0xc0 0 ctx=0xc1",
     ]
+
+
+def test_the_bridge_hands_over_a_job_only_once_its_event_has_fired(fake_driver: Driver) -> None:
+    """The native copier in CUDA mode: the bridge waits for the oldest job's event, sweeps the later
+    ones that have fired, and keeps the rest, in order, for later; nothing unfired is collected."""
+    calls = fake_driver("""
+import ctypes, select, time
+from uring_kv._native import BlockCopier, CopyJobs
+
+driver = ctypes.CDLL("libcuda.so.1")
+jobs = CopyJobs(BlockCopier([0x1000], [64], [0]), (0xc1, 0xf0, 0x7a, 64, 0x11, 0x22))
+
+def put(token, event):
+    jobs.put(token, False, [0x5000 + token], [token], dev_slots=[0x6000 + token], event=event)
+
+def collected(expect_some):
+    if expect_some:
+        assert select.select([jobs.fd], [], [], 10)[0], "the loop was not woken"
+    else:
+        time.sleep(0.2)
+    done = jobs.done()
+    assert all(rc == 0 for _, rc, _, _ in done), done
+    return [token for token, _, _, _ in done]
+
+put(1, 0x1001); put(2, 0x1002); put(3, 0x1003)
+assert collected(False) == []
+driver.fake_fire(ctypes.c_uint64(0x1002)); driver.fake_fire(ctypes.c_uint64(0x1003))
+assert collected(False) == []  # later events fired, the oldest has not: the bridge waits for it
+driver.fake_fire(ctypes.c_uint64(0x1001))
+assert collected(True) == [1, 2, 3]  # swept together
+put(4, 0x1004); put(5, 0x1005)
+driver.fake_fire(ctypes.c_uint64(0x1004))
+assert collected(True) == [4]  # 5 has not fired: kept
+put(6, 0x1006)
+driver.fake_fire(ctypes.c_uint64(0x1006))
+assert collected(False) == []  # 6 has fired, but 5 is older
+driver.fake_fire(ctypes.c_uint64(0x1005))
+assert collected(True) == [5, 6]
+jobs.close()
+""")
+    records = [line for line in calls if line.startswith("record")]
+    assert [line.split()[1] for line in records] == [hex(0x1000 + token) for token in range(1, 7)]
+    assert all(line.endswith("ctx=0xc1") for line in records)  # the submit thread runs in the engine's context
