@@ -637,10 +637,9 @@ def spare_slots(config: BenchConfig, device: torch.device, block_bytes: int) -> 
     if config.spare_slots is not None:
         return config.spare_slots
     # The engine's slot stride is the block rounded up to the file's DIO alignment, which the bench
-    # learns only once the engine is open; 4 KiB bounds the usual alignments (512 B to 4 KiB) from
-    # above, so the two agree: inline here means inline there, and spare slots go to set-ups of over
-    # 32 KiB blocks, which with them hold over 1 MiB in any case. (A filesystem aligning to more than
-    # 4 KiB could make the engine copy through the copier without spare slots: slower, not wrong.)
+    # learns only once the engine is open; 4 KiB is the usual alignment's upper end, so "inline"
+    # here means inline there too. Where they can differ (blocks far below 4 KiB with hundreds of
+    # slots; alignments over 4 KiB), the engine runs a slower path, never a wrong one.
     if device.type == "cuda" or not slots_copy_inline(config.slots, round_up(block_bytes, 4096)):
         return config.slots // 2
     return 0
