@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -64,6 +65,40 @@ def test_bench_refuses_bad_counts(flag: list[str], capsys: pytest.CaptureFixture
         main(["bench", *flag])
     assert info.value.code == 2
     assert "must be >=" in capsys.readouterr().err
+
+
+def test_bench_runs_only_the_baselines_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--path", str(tmp_path), "--size", "2M", "--block-size", "64K", "--layers", "4",
+                 "--batch", "8", "--batches", "1", "--slots", "4", "--direct", "--baselines", "ceiling",
+                 "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv", "ring ceiling"}
+    mine = [r for r in result["rows"] if r["method"] == "uring_kv"]
+    assert mine and all(set(r["ratios"]) <= {"ring ceiling", "pcie ceiling"} for r in mine)
+    assert result["all_verified"] is True and result["idle_loop_lag"]["samples"] > 0
+    assert "while idle" in capsys.readouterr().out
+    code = main(["bench", "--path", str(tmp_path), "--size", "2M", "--block-size", "64K", "--layers", "4",
+                 "--batch", "8", "--batches", "1", "--slots", "4", "--direct", "--baselines", "none",
+                 "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv"}
+    assert result["idle_loop_lag"]["samples"] == 0
+    assert "while idle" not in capsys.readouterr().out  # no ceiling rows, no idle-loop line
+
+
+def test_baseline_names_are_checked() -> None:
+    from uring_kv._bench import BASELINES
+    from uring_kv.cli import _BASELINE_NAMES, _baselines
+
+    assert _BASELINE_NAMES == BASELINES
+    assert _baselines("ceiling, serial") == ("serial", "ceiling")
+    assert _baselines("none") == ()
+    for bad in ("threads8", "serial,pool", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _baselines(bad)
 
 
 def test_spare_slots_default_to_half_the_depth_where_copies_are_copier_jobs() -> None:

@@ -42,6 +42,8 @@ from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
 from uring_kv._native import ring_loop
 
+BASELINES = ("serial", "threads", "ceiling")  # --baselines names: serial, threads<N>, ring ceiling
+
 
 @dataclass
 class BenchConfig:
@@ -59,6 +61,7 @@ class BenchConfig:
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
     device: str = "auto"
     checksum: bool = False  # also measure uring_kv with checksum=True ("uring_kv+crc32c")
+    baselines: tuple[str, ...] = BASELINES  # which of the others run beside uring_kv
 
 
 @dataclass
@@ -532,12 +535,13 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 else:
                     await engine.load_batch(disk_blocks, gpu_blocks)
 
-            methods: dict[str, Method] = {
-                "uring_kv": uring_kv,
-                "serial": functools.partial(_in_thread, serial.run),
-                f"threads{config.threads}": functools.partial(_in_thread, pool.run),
-                "ring ceiling": functools.partial(_in_thread_timed, ceiling.run),
-            }
+            methods: dict[str, Method] = {"uring_kv": uring_kv}
+            if "serial" in config.baselines:
+                methods["serial"] = functools.partial(_in_thread, serial.run)
+            if "threads" in config.baselines:
+                methods[f"threads{config.threads}"] = functools.partial(_in_thread, pool.run)
+            if "ceiling" in config.baselines:
+                methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run)
             if config.checksum:
                 methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
             ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
@@ -708,7 +712,7 @@ def render(result: dict[str, Any], console: Any) -> None:
     for key, what in (("uring_kv_lag", "while uring_kv ran (all rows"),
                       ("idle_loop_lag", "while idle (the ring ceiling's rows")):
         lag = result.get(key)
-        if lag:
+        if lag and lag["samples"]:
             console.print(f"event loop {what}, {lag['samples']} samples of 1 ms): lag max {lag['max_ms']:.2f} ms, "
                           f"p99 {lag['p99_ms']:.3f} ms, p50 {lag['p50_ms']:.3f} ms")
     for size, extra in result["extra"].items():

@@ -23,6 +23,21 @@ def _size(text: str) -> int:
     return int(text)
 
 
+# The names --baselines takes (uring_kv._bench.BASELINES, which needs torch to import).
+_BASELINE_NAMES = ("serial", "threads", "ceiling")
+
+
+def _baselines(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if names == ("none",):
+        return ()
+    unknown = [name for name in names if name not in _BASELINE_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(_BASELINE_NAMES)} "
+                                         f"or none, got {text!r}")
+    return tuple(name for name in _BASELINE_NAMES if name in names)
+
+
 def _at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
@@ -37,12 +52,13 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from uring_kv._bench import BenchConfig, plot, render, run_bench, to_json
+    from uring_kv._bench import BASELINES, BenchConfig, plot, render, run_bench, to_json
 
     config = BenchConfig(path=args.path, size=args.size, layers=args.layers, batch=args.batch,
                          batches=args.batches, warmup=args.warmup, slots=args.slots,
                          spare_slots=args.spare_slots, threads=args.threads,
                          direct=args.direct, device=args.device, checksum=args.checksum,
+                         baselines=BASELINES if args.baselines is None else args.baselines,
                          gc_freeze=args.gc_freeze)
     if args.block_size:
         config.block_sizes = args.block_size
@@ -190,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                             "(default: half the depth on a GPU, and in CPU mode when the slots hold "
                             "over 1 MiB; else 0: CPU mode's inline-copy pumps need no spare slots)")
     bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
+    bench.add_argument("--baselines", type=_baselines, default=None,
+                       help="which methods run beside uring_kv, comma-separated: serial, threads (the "
+                            "thread pool), ceiling (the ring ceiling), or none (default: all three)")
     direct = bench.add_mutually_exclusive_group()
     direct.add_argument("--direct", dest="direct", action="store_true", default=None, help="cold (O_DIRECT) only")
     direct.add_argument("--buffered", dest="direct", action="store_false", help="hot (page cache) only")
