@@ -523,9 +523,6 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             stats = engine.stats()
             extra.update(pinned_bytes=stats["pinned_bytes"], slots=config.slots + spare, io_depth=stats["io_depth"],
                          io=stats["io"], copy=stats["copy"], batches=work.batches)
-            serial = SerialBaseline(work, fd, stride)
-            pool = ThreadPoolBaseline(work, fd, stride, config.threads)
-            ceiling = RingCeiling(fd, stride, config.slots)
 
             async def uring_kv(store: bool, disk_blocks: list[int], gpu_blocks: list[int],
                                checksum: bool = False) -> None:
@@ -536,11 +533,15 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                     await engine.load_batch(disk_blocks, gpu_blocks)
 
             methods: dict[str, Method] = {"uring_kv": uring_kv}
+            others: list[SerialBaseline | ThreadPoolBaseline | RingCeiling] = []  # only those asked for
             if "serial" in config.baselines:
+                others.append(serial := SerialBaseline(work, fd, stride))
                 methods["serial"] = functools.partial(_in_thread, serial.run)
             if "threads" in config.baselines:
+                others.append(pool := ThreadPoolBaseline(work, fd, stride, config.threads))
                 methods[f"threads{config.threads}"] = functools.partial(_in_thread, pool.run)
             if "ceiling" in config.baselines:
+                others.append(ceiling := RingCeiling(fd, stride, config.slots))
                 methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run)
             if config.checksum:
                 methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
@@ -557,9 +558,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 } if delivery else None
             # batches run in native pumps (else block by block), the prefill's included
             extra[f"pumped_batches_{case}"] = engine.stats()["pumped_batches"]
-            serial.close()
-            pool.close()
-            ceiling.close()
+            for other in others:
+                other.close()
     if device.type == "cuda":
         rows.extend(_pcie_ceiling(device))
     _ratios(rows)
