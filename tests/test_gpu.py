@@ -26,6 +26,20 @@ def bf16_layers(layers: int = 32, blocks: int = 64, seed: int = 0) -> dict[str, 
                                                 dtype=torch.float32).to(torch.bfloat16) for i in range(layers)}
 
 
+async def store_zero_load(engine: Engine, caches: dict[str, torch.Tensor], disk_blocks: list[int]) -> None:
+    """Store every cache block to ``disk_blocks``, zero the caches, load them back: each tensor must
+    then hold its bytes as before, bit for bit (compared as int16: bf16 NaNs would not equal)."""
+    reference = {name: t.clone() for name, t in caches.items()}
+    every = list(range(len(disk_blocks)))
+    await engine.store_batch(every, disk_blocks)
+    for t in caches.values():
+        t.zero_()
+    await engine.load_batch(disk_blocks, every)
+    torch.cuda.synchronize()
+    for name, t in caches.items():
+        assert torch.equal(t.view(torch.int16), reference[name].view(torch.int16)), name
+
+
 COPY_PATHS = {  # id: (URING_KV_CUDA_STAGED, URING_KV_CUDA_BATCH, how stats()["copy"] starts)
     "staged": ("1", "1", "staged"),
     "batched-copies": ("0", "1", "cuMemcpyBatchAsync"),
@@ -41,16 +55,9 @@ async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, pat
     monkeypatch.setenv("URING_KV_CUDA_STAGED", staged)
     monkeypatch.setenv("URING_KV_CUDA_BATCH", batch)
     caches = bf16_layers()
-    reference = {k: v.clone() for k, v in caches.items()}
     async with Engine(caches, tmp_path / "kv.bin", 256, num_slots=16, io=io) as engine:
         assert engine.stats()["copy"].startswith(description)
-        await engine.store_batch(list(range(64)), list(range(100, 164)))
-        for t in caches.values():
-            t.zero_()
-        await engine.load_batch(list(range(100, 164)), list(range(64)))
-        torch.cuda.synchronize()
-        for name in caches:
-            assert torch.equal(caches[name].view(torch.int16), reference[name].view(torch.int16)), name
+        await store_zero_load(engine, caches, list(range(100, 164)))
         stats = engine.stats()
         assert stats["leases_held"] == 0
         # GPU mode: batches in native pumps on the native copier (staged copies), every SQE
@@ -64,16 +71,9 @@ async def test_buffered_engine_hands_reads_to_io_wq_and_writes_not(tmp_path: Pat
     the loop thread), writes do not (on io-wq they cost ~9x the CPU and held the loop up to 5 ms
     on the H200); bytes exact both ways, through the pumps."""
     caches = bf16_layers()
-    reference = {k: v.clone() for k, v in caches.items()}
     async with Engine(caches, tmp_path / "kv.bin", 128, num_slots=16, direct=False) as engine:
         assert "IOSQE_ASYNC on reads" in engine.stats()["io"]
-        await engine.store_batch(list(range(64)), list(range(64)))
-        for t in caches.values():
-            t.zero_()
-        await engine.load_batch(list(range(64)), list(range(64)))
-        torch.cuda.synchronize()
-        for name in caches:
-            assert torch.equal(caches[name].view(torch.int16), reference[name].view(torch.int16)), name
+        await store_zero_load(engine, caches, list(range(64)))
         assert engine.stats()["pumped_batches"] == 2
 
 
