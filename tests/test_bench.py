@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -258,3 +259,45 @@ def test_info_names_the_fallback_cause(monkeypatch: pytest.MonkeyPatch, tmp_path
         facts, problem = info(str(tmp_path))
     assert "thread pool" in facts["io"] and "EPERM" in facts["io"] and "seccomp" in facts["io"]
     assert problem is None  # the fallback can run
+
+
+async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
+    """tools/bench_order.py groups each batch time by the method that ran just before it, from the
+    JSON alone: it must replay the rotation `_measure` really used. Each stub method reports the
+    call's position as its time, so every group can be checked against the recorded calls."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from uring_kv._bench import _measure
+
+    spec = importlib.util.spec_from_file_location("bench_order", Path(__file__).parents[1] / "tools" / "bench_order.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    calls: list[tuple[str, list[int]]] = []
+
+    def method(name: str) -> Any:
+        async def run(store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+            calls.append((name, disk_blocks))
+            return float(len(calls) - 1)  # "seconds": the call's position
+
+        return run
+
+    rounds, names = 7, ["uring_kv", "serial", "threads8", "ring ceiling"]
+    work = SimpleNamespace(load_batches=[[r] for r in range(rounds)], gpu_order=[[0]] * rounds,
+                           config=SimpleNamespace(warmup=2), device=torch.device("cpu"), scrub=lambda: None,
+                           verify=lambda disk, gpu: True)
+    tallies = await _measure(work, {name: method(name) for name in names}, "load", -1, 0)  # type: ignore[arg-type]
+    result = {"config": {"warmup": 2}, "rows": [
+        {"op": "load", "case": "cold", "block_bytes": 4096, "method": name,
+         "batch_ms": [x * 1e3 for x in tallies[name].latencies]} for name in names]}
+    groups = tool.by_predecessor(result, "load", "cold")
+    checked = 0
+    for name in names:
+        for (prev, same), times in groups[f"{name} (4 KiB)"].items():
+            for ms in times:
+                position = round(ms / 1e3)
+                assert calls[position][0] == name and calls[position - 1][0] == prev
+                assert (calls[position][1] == calls[position - 1][1]) == same
+                checked += 1
+    assert checked == (rounds - 2) * len(names)

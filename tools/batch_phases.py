@@ -7,8 +7,11 @@ pump set-up, ordering after the caller's stream, slots handed over), from there 
 finishing (every block read and copied), and from there to the call returning. Each batch is
 followed (or, with ``--swap``, preceded) by the ring ceiling's C loop on the same blocks.
 ``--ticker`` runs the bench's lag probe around each uring_kv batch, as the bench does.
+``--idle-ms G`` leaves the process idle for G ms before each batch of either method (the bench's
+other methods leave uring_kv's threads idle for ~0.7 s between its batches).
 
     python tools/batch_phases.py [--block-size 131072] [--rounds 24] [--device cuda] [--swap] [--ticker]
+                                 [--idle-ms 0]
 """
 
 from __future__ import annotations
@@ -60,13 +63,16 @@ async def main(args: argparse.Namespace) -> None:
         for round_index in range(args.rounds + 2):  # two unmeasured rounds first
             disk, gpu = rng.sample(range(blocks), 256), rng.sample(range(256), 256)
             if args.swap:
+                await asyncio.sleep(args.idle_ms / 1e3)
                 ceiling_s = await asyncio.to_thread(ceiling.run, False, disk, gpu)
+            await asyncio.sleep(args.idle_ms / 1e3)
             with LagTicker() if args.ticker else contextlib.nullcontext():
                 stamps.clear()
                 start = time.perf_counter()
                 await engine.load_batch(disk, gpu)
                 end = time.perf_counter()
             if not args.swap:
+                await asyncio.sleep(args.idle_ms / 1e3)
                 ceiling_s = await asyncio.to_thread(ceiling.run, False, disk, gpu)
             if round_index >= 2:
                 rows.append((stamps["submitted"] - start, stamps["finished"] - stamps["submitted"],
@@ -93,4 +99,5 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--swap", action="store_true", help="the ring ceiling reads each batch first")
     parser.add_argument("--ticker", action="store_true", help="the bench's lag probe around each batch")
+    parser.add_argument("--idle-ms", type=float, default=0.0, help="idle time before each batch of either method")
     asyncio.run(main(parser.parse_args()))
