@@ -52,13 +52,13 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from uring_kv._bench import BASELINES, BenchConfig, plot, render, run_bench, to_json
+    from uring_kv._bench import BenchConfig, plot, render, run_bench, to_json
 
     config = BenchConfig(path=args.path, size=args.size, layers=args.layers, batch=args.batch,
                          batches=args.batches, warmup=args.warmup, slots=args.slots,
                          spare_slots=args.spare_slots, threads=args.threads,
                          direct=args.direct, device=args.device, checksum=args.checksum,
-                         baselines=BASELINES if args.baselines is None else args.baselines,
+                         baselines=args.baselines,
                          gc_freeze=args.gc_freeze)
     if args.block_size:
         config.block_sizes = args.block_size
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                             "(default: half the depth on a GPU, and in CPU mode when the slots hold "
                             "over 1 MiB; else 0: CPU mode's inline-copy pumps need no spare slots)")
     bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
-    bench.add_argument("--baselines", type=_baselines, default=None,
+    bench.add_argument("--baselines", type=_baselines, default=_BASELINE_NAMES,
                        help="which methods run beside uring_kv, comma-separated: serial, threads (the "
                             "thread pool), ceiling (the ring ceiling), or none (default: all three)")
     direct = bench.add_mutually_exclusive_group()
