@@ -301,3 +301,36 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
                 assert (calls[position][1] == calls[position - 1][1]) == same
                 checked += 1
     assert checked == (rounds - 2) * len(names)
+
+
+def test_ring_idle_tool_reads_through_every_ring_set_up(tmp_path: Path) -> None:
+    """tools/ring_idle.c, the C program behind benchmarks.md's figures on batches after idle time,
+    builds against the liburing the extension links, times batches right after another and after a
+    gap through all six ring set-ups (every read checked for its full length), and removes its file."""
+    import importlib.util
+    import os
+    import shutil
+
+    root = Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("build_ffi_for_tools", root / "build_ffi.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    include, archive = build.find_liburing(os.environ, build._pkg_config, os.path.exists)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "a C compiler builds the extension; it must be here"
+    exe, data = tmp_path / "ring_idle", tmp_path / "data.bin"
+    subprocess.run([compiler, "-O2", "-Wall", "-Werror", "-o", str(exe), str(root / "tools" / "ring_idle.c"),
+                    f"-I{include}", archive], check=True)
+    out = subprocess.run([str(exe), str(data), "8", "2", "1", "4", "8", "32"], check=True, capture_output=True,
+                         text=True, timeout=120).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result["block_bytes"], result["depth"], result["batch"], result["rounds"]) == (4096, 8, 32, 2)
+    assert [mode["name"] for mode in result["modes"]] == [
+        "fresh ring, wait (ceiling)", "one ring, wait", "one ring, DEFER, wait", "one ring, DEFER, epoll",
+        "one ring, DEFER, epoll, ASYNC", "one ring, epoll"]
+    for mode in result["modes"]:
+        assert 0 < mode["first_ms"] <= mode["batch_ms"] and 0 < mode["first_after_gap_ms"] <= mode["batch_after_gap_ms"]
+    assert not data.exists()
+    bad = subprocess.run([str(exe), str(data), "8", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "bad arguments" in bad.stderr

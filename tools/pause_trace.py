@@ -5,8 +5,9 @@ after another (benchmarks.md, 2026-12-03, 19:50-20:35 UTC). This loads random 25
 through one engine (O_DIRECT, 32 layers, 48 slots at depth 32, as the bench sets up on a GPU),
 alternating runs of batches back to back with runs where each batch follows ``--idle-ms`` of
 sleep, and times inside each batch: the loop's ``select()`` calls (how long it slept), the ring's
-wake-ups (completions found per reap, reads in flight before it, how long after ``select()``
-returned it ran), the copier's collections, and the batch's phases.
+wake-ups (completions found per reap, reads in flight before and after it, how long after
+``select()`` returned it ran), the copier's collections, the reads in flight over the batch
+(time-weighted), how long the first completion took and how long the batch ran after the last.
 
     python tools/pause_trace.py [--block-size 131072] [--rounds 6] [--per-round 4] [--idle-ms 100]
 """
@@ -31,6 +32,7 @@ from uring_kv import Engine, _copy, _io
 trace: dict[str, list[Any]] = defaultdict(list)
 live = [False]
 runs: list[Any] = []
+ring: list[Any] = []  # the engine's ring, for the reads in flight after a collection
 _wakeup, _collect, _grow, _finish = (_io.UringBackend._on_wakeup, _copy._NativeLink._collect, Engine._pump_grow,
                                      Engine._pump_finish)
 
@@ -43,15 +45,21 @@ def _traced_wakeup(self: _io.UringBackend) -> None:
     before = self._ring.pump_io()[0]
     started = sum(run.pump.started for run in runs)
     _wakeup(self)
-    found = before - self._ring.pump_io()[0] + sum(run.pump.started for run in runs) - started
-    trace["reap"].append((start, time.perf_counter(), found, before))
+    after = self._ring.pump_io()[0]
+    found = before - after + sum(run.pump.started for run in runs) - started
+    end = time.perf_counter()
+    trace["reap"].append((start, end, found, before))
+    trace["inflight"].append((end, after))
 
 
 def _traced_collect(self: Any) -> None:
     start = time.perf_counter()
     _collect(self)
     if live[0]:
-        trace["collect"].append((start, time.perf_counter()))
+        end = time.perf_counter()
+        trace["collect"].append((start, end))
+        if ring:
+            trace["inflight"].append((end, ring[0].pump_io()[0]))
 
 
 def _traced_grow(self: Engine, run: Any, leases: Any) -> None:
@@ -59,6 +67,8 @@ def _traced_grow(self: Engine, run: Any, leases: Any) -> None:
         runs.append(run)
         trace["submitted"].append(time.perf_counter())
     _grow(self, run, leases)
+    if live[0] and ring:
+        trace["inflight"].append((time.perf_counter(), ring[0].pump_io()[0]))
 
 
 def _traced_finish(self: Engine, run: Any) -> None:
@@ -87,6 +97,10 @@ def _summary(batches: list[dict[str, Any]]) -> dict[str, str]:
         "select() return -> reap, us": _q([r[4] * 1e6 for r in reaps if r[4] is not None]),
         "reap callback, us": _q([(r[1] - r[0]) * 1e6 for r in reaps]),
         "collections per batch": _q([float(b["collections"]) for b in batches]),
+        "reads in flight, time-weighted mean": _q([b["inflight_mean"] for b in batches]),
+        "reads in flight after a reap": _q([float(r[5]) for b in batches for r in b["reaps"] if r[5] is not None]),
+        "first reads submitted -> first completion, us": _q([b["first_us"] for b in batches]),
+        "last completion reaped -> batch done, us": _q([b["tail_us"] for b in batches]),
     }
     return out
 
@@ -114,6 +128,7 @@ async def main(args: argparse.Namespace) -> None:
     path = os.path.join(tempfile.gettempdir(), f"uring-kv-pause-trace-{os.getpid()}.bin")
     results: dict[str, list[dict[str, Any]]] = {"back to back": [], f"after {args.idle_ms:g} ms idle": []}
     async with Engine(caches, path, blocks, 48, direct=True, io_depth=32) as engine:
+        ring.append(engine.io._ring)  # type: ignore[attr-defined]
         for first in range(0, blocks, 256):
             await engine.store_batch(list(range(256)), list(range(first, first + 256)))
         rng = random.Random(7)
@@ -136,18 +151,24 @@ async def main(args: argparse.Namespace) -> None:
     print(f"{args.device}, {block >> 10} KiB, {args.rounds} rounds x {args.per_round} batches per condition")
     summaries = {condition: _summary(batches) for condition, batches in results.items()}
     names = list(summaries)
-    print(f"{'':42} {names[0]:>26} {names[1]:>26}")
+    print(f"{'':46} {names[0]:>26} {names[1]:>26}")
     for key in summaries[names[0]]:
-        print(f"{key:42} {summaries[names[0]][key]:>26} {summaries[names[1]][key]:>26}")
+        print(f"{key:46} {summaries[names[0]][key]:>26} {summaries[names[1]][key]:>26}")
 
 
 def _batch(start: float, end: float) -> dict[str, Any]:
     selects = [s for s in trace["select"] if start <= s[0] < end]
     returns = [s[1] for s in selects]
     reaps = []
+    after = {t: n for t, n in trace["inflight"]}
     for reap in trace["reap"]:
         i = bisect.bisect_right(returns, reap[0]) - 1
-        reaps.append((*reap, reap[0] - returns[i] if i >= 0 else None))
+        reaps.append((*reap, reap[0] - returns[i] if i >= 0 else None, after.get(reap[1])))
+    submitted = trace["submitted"][0] if trace["submitted"] else start
+    found = [r for r in reaps if r[2] > 0]
+    # Reads in flight between callbacks, weighted by how long each count held, from the first submission.
+    steps = sorted((t, n) for t, n in trace["inflight"] if submitted <= t <= end)
+    weighted = sum(n * (nxt[0] - t) for (t, n), nxt in zip(steps, [*steps[1:], (end, 0)], strict=True))
     return {
         "ms": (end - start) * 1e3,
         "start_us": (trace["submitted"][0] - start) * 1e6 if trace["submitted"] else float("nan"),
@@ -155,6 +176,9 @@ def _batch(start: float, end: float) -> dict[str, Any]:
         "sleeps": [s[1] - s[0] for s in selects],
         "reaps": reaps,
         "collections": len(trace["collect"]),
+        "inflight_mean": weighted / (end - submitted),
+        "first_us": (found[0][1] - submitted) * 1e6 if found else float("nan"),
+        "tail_us": (end - found[-1][1]) * 1e6 if found else float("nan"),
     }
 
 
