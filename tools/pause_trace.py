@@ -2,14 +2,16 @@
 
 On the H200 machine a 128 KiB load batch that follows a pause took 1-2 ms longer than one right
 after another (benchmarks.md, 2026-12-03, 19:50-20:35 UTC). This loads random 256-block batches
-through one engine (O_DIRECT, 32 layers, 48 slots at depth 32, as the bench sets up on a GPU),
+through one engine (O_DIRECT, 32 layers, 48 slots at depth 32 as the bench sets up on a GPU, or ``--slots``),
 alternating runs of batches back to back with runs where each batch follows ``--idle-ms`` of
 sleep, and times inside each batch: the loop's ``select()`` calls (how long it slept), the ring's
 wake-ups (completions found per reap, reads in flight before and after it, how long after
 ``select()`` returned it ran), the copier's collections, the reads in flight over the batch
 (time-weighted), how long the first completion took and how long the batch ran after the last.
+"In flight" counts the pump's reads from submission until their completion is reaped (a read the
+disk has finished stays counted until the loop reaps it).
 
-    python tools/pause_trace.py [--block-size 131072] [--rounds 6] [--per-round 4] [--idle-ms 100]
+    python tools/pause_trace.py [--block-size 131072] [--rounds 6] [--per-round 4] [--idle-ms 100] [--slots 48]
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _summary(batches: list[dict[str, Any]]) -> dict[str, str]:
         "select() return -> reap, us": _q([r[4] * 1e6 for r in reaps if r[4] is not None]),
         "reap callback, us": _q([(r[1] - r[0]) * 1e6 for r in reaps]),
         "collections per batch": _q([float(b["collections"]) for b in batches]),
-        "reads in flight, time-weighted mean": _q([b["inflight_mean"] for b in batches]),
+        "reads in flight (until reaped), time-weighted": _q([b["inflight_mean"] for b in batches]),
         "reads in flight after a reap": _q([float(r[5]) for b in batches for r in b["reaps"] if r[5] is not None]),
         "first reads submitted -> first completion, us": _q([b["first_us"] for b in batches]),
         "last completion reaped -> batch done, us": _q([b["tail_us"] for b in batches]),
@@ -127,7 +129,7 @@ async def main(args: argparse.Namespace) -> None:
     caches = [torch.zeros(256, block // layers // 2, dtype=torch.float16, device=args.device) for _ in range(layers)]
     path = os.path.join(tempfile.gettempdir(), f"uring-kv-pause-trace-{os.getpid()}.bin")
     results: dict[str, list[dict[str, Any]]] = {"back to back": [], f"after {args.idle_ms:g} ms idle": []}
-    async with Engine(caches, path, blocks, 48, direct=True, io_depth=32) as engine:
+    async with Engine(caches, path, blocks, args.slots, direct=True, io_depth=32) as engine:
         ring.append(engine.io._ring)  # type: ignore[attr-defined]
         for first in range(0, blocks, 256):
             await engine.store_batch(list(range(256)), list(range(first, first + 256)))
@@ -148,7 +150,8 @@ async def main(args: argparse.Namespace) -> None:
                     live[0] = False
                     if round_index:
                         results[condition].append(_batch(start, end))
-    print(f"{args.device}, {block >> 10} KiB, {args.rounds} rounds x {args.per_round} batches per condition")
+    print(f"{args.device}, {block >> 10} KiB, {args.slots} slots at depth 32, "
+          f"{args.rounds} rounds x {args.per_round} batches per condition")
     summaries = {condition: _summary(batches) for condition, batches in results.items()}
     names = list(summaries)
     print(f"{'':46} {names[0]:>26} {names[1]:>26}")
@@ -188,5 +191,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--per-round", type=int, default=4, help="batches per condition and round")
     parser.add_argument("--idle-ms", type=float, default=100.0)
+    parser.add_argument("--slots", type=int, default=48, help="staging slots (the I/O depth stays 32)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     asyncio.run(main(parser.parse_args()))
