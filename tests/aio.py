@@ -14,6 +14,8 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from uring_kv._loop import HOP_TURNS
+
 
 class Task:
     def __init__(self) -> None:
@@ -79,5 +81,11 @@ async def run_then_cancel(tasks: Tasks, seconds: float, fn: Callable[..., Awaita
 
 
 async def settle() -> None:
-    """Let every task run until it blocks (a spawned call has registered its batch)."""
+    """Let every task run until it blocks (a spawned call has registered its batch).
+
+    A batch's start yields bare loop turns (the engine's ``yield_to_io``), during which anyio's
+    asyncio check sees its task as running and would sleep 0.1 s before looking again: a few bare
+    turns first let those starts reach their first real wait."""
+    for _ in range(2 * HOP_TURNS):
+        await anyio.sleep(0)
     await anyio.wait_all_tasks_blocked()

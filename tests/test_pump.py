@@ -9,6 +9,7 @@ windows these rules close.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from aio import gather, run_then_cancel, settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory
 from faultfs import FaultState
 
-from uring_kv import Engine, _native
+from uring_kv import Engine, _engine, _native
 from uring_kv._staging import LeaseState
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
@@ -63,6 +64,81 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
         assert metrics["load"]["blocks"] == metrics["store"]["blocks"] == 64
         assert engine.io._ring.pumps == {}, "a finished pump is still attached to the ring"  # type: ignore[attr-defined]
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
+
+
+@pytest.mark.parametrize("hop", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True,
+                         reason="the mutation: without the hop the client waits for the submissions"))],
+                         ids=["hop", "no-hop"])
+async def test_io_ready_during_a_batch_set_up_runs_before_its_first_submissions(
+        make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, hop: bool) -> None:
+    """A pumped batch's start yields the loop between its set-up (validation, the pump, hazards)
+    and handing slots to its pump: a task woken by a socket that became ready meanwhile runs first,
+    so it waits for one part of the start rather than the whole (a loop-lag spike the bench's probe
+    saw). ``no-hop`` turns the yield off and must fail."""
+    monkeypatch.setattr(_engine, "START_HOP", hop)
+    caches = id_caches("cpu", blocks=64)
+    async with make_engine(caches, 64, num_slots=4) as engine:
+        await store_identity(engine, caches, 64)
+        order: list[str] = []
+        grow = engine._pump_grow
+
+        def recorded_grow(*args: object) -> None:
+            order.append("submit")
+            grow(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(engine, "_pump_grow", recorded_grow)
+        read_end, write_end = os.pipe()
+
+        async def client() -> None:
+            await anyio.wait_readable(read_end)
+            order.append("client")
+
+        try:
+            async with task_group() as tasks:
+                woken = tasks.spawn(client)
+                await settle()  # the client waits on its pipe
+                os.write(write_end, b"x")  # ready from now on: the loop's next poll finds it
+                await engine.load_batch(list(range(64)), list(range(64)))
+                await woken.join()
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+        assert order[:2] == ["client", "submit"]
+        assert [identify(caches, g) for g in range(64)] == [(d, 1, True) for d in range(64)]
+
+
+async def test_a_batch_cancelled_in_its_start_hop_starts_nothing(make_engine: EngineFactory,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled after its set-up, while it yields the loop before its first submissions: the call
+    raises its cancellation, no slot stays held, nothing was written, and its hazard entries let a
+    later load of the same blocks go (it reads what was there before). Mutation tried: the yield
+    before the driver's ``try`` (the pump is never stopped, the call never returns)."""
+    caches = id_caches("cpu", blocks=16)
+    async with make_engine(caches, 16, num_slots=4) as engine:
+        await store_identity(engine, caches, 8)
+        submits: list[int] = []
+        grow = engine._pump_grow
+
+        def recorded_grow(*args: object) -> None:
+            submits.append(1)
+            grow(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(engine, "_pump_grow", recorded_grow)
+        for gpu_block in range(8):
+            fill(caches, gpu_block, gpu_block, 2)
+        before = engine.stats()["pumped_batches"]
+        async with task_group() as tasks:
+            store = tasks.spawn(engine.store_batch, list(range(8)), list(range(8)))
+            while engine.stats()["pumped_batches"] == before:
+                await anyio.sleep(0)
+            assert submits == [], "the batch was not cancelled inside its start's yield"
+            store.cancel()
+            await store.join()
+        assert store.cancelled and submits == []
+        assert engine.pool.held == 0 and engine.stats()["active_batches"] == 0
+        with anyio.fail_after(5):
+            await engine.load_batch(list(range(8)), list(range(8, 16)))
+        assert [identify(caches, 8 + d) for d in range(8)] == [(d, 1, True) for d in range(8)]
 
 
 async def store_then_load_shuffled(engine: Engine, cache: torch.Tensor, seed: int) -> None:

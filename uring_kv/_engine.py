@@ -97,6 +97,7 @@ class _Pumped:
     handle_event: bool = True  # the caller gets a handle whose event must be made (not load/store_batch)
 
 
+START_HOP = True
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
 # Largest block whose pumped reads and writes go without IOSQE_ASYNC on a buffered file: a page-cache
 # hit is then copied inside io_uring_enter on the loop thread (a few µs at this size).
@@ -575,6 +576,8 @@ class Engine:
         pump from starting blocks; those in flight finish."""
         batch, pump, kind = run.batch, run.pump, run.batch.kind
         try:
+            if START_HOP:
+                await self._svc.yield_to_io()
             for dep in run.deps:
                 if not dep.done():
                     await self._svc.wait(dep)

@@ -30,6 +30,8 @@ from typing import Any
 
 log = logging.getLogger("uring_kv")
 
+HOP_TURNS = 3  # loop turns in yield_to_io: the I/O's callback, then the task it woke, then the caller
+
 
 class LoopServices(ABC):
     """What the engine asks of the running event loop. All methods but ``call_soon_threadsafe``
@@ -77,6 +79,12 @@ class LoopServices(ABC):
 
     @abstractmethod
     async def sleep(self, seconds: float) -> None: ...
+
+    @abstractmethod
+    async def yield_to_io(self) -> None:
+        """Give the loop ``HOP_TURNS`` bare turns, so that I/O that became ready meanwhile (a socket,
+        a completion) is handled, and the task it wakes runs, before the caller goes on: a long
+        synchronous stretch split by this keeps a client waiting for one part of it, not the whole."""
 
     @abstractmethod
     def report(self, message: str, exc: BaseException) -> None:
@@ -153,6 +161,13 @@ class AsyncioServices(LoopServices):
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+    async def yield_to_io(self) -> None:
+        # A bare yield puts the task's next step at the head of the next loop turn, ahead of the
+        # callbacks of the I/O that turn's select() finds: after the second, those callbacks have
+        # run; after the third, so have the tasks they woke (a stream reader, a zmq socket).
+        for _ in range(HOP_TURNS):
+            await asyncio.sleep(0)
 
     def report(self, message: str, exc: BaseException) -> None:
         self.loop.call_exception_handler({"message": message, "exception": exc})
@@ -309,6 +324,12 @@ class TrioServices(LoopServices):
 
     async def sleep(self, seconds: float) -> None:
         await self._trio.sleep(seconds)
+
+    async def yield_to_io(self) -> None:
+        # trio polls for I/O before each batch of runnable tasks and runs a batch in either order:
+        # the task woken by the poll has run after the second checkpoint, what it woke after the third.
+        for _ in range(HOP_TURNS):
+            await self._trio.lowlevel.checkpoint()
 
     def report(self, message: str, exc: BaseException) -> None:
         log.error("%s", message, exc_info=exc)
