@@ -7,15 +7,17 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
-from conftest import EngineFactory
+from conftest import EngineFactory, reported_errors
 from faultfs import FaultState
 
-from uring_kv import BlockIOError
+from uring_kv import BlockIOError, _engine
 from uring_kv.testing import content, fill, id_caches, identify, store_identity
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
@@ -144,6 +146,41 @@ async def test_a_short_read_fails_its_block_and_delivers_no_other_blocks_bytes(m
                 assert bool((got == -1).all()) or torch.equal(got, content(disk_block, 1, layer, "cpu")), (
                     f"gpu block {gpu_block} layer {layer} holds bytes of another block: {got[:2].tolist()}")
         assert engine.stats()["leases_held"] == 0
+
+
+async def test_a_sum_that_raises_fails_the_load_instead_of_hanging_it(make_engine: EngineFactory,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """checksum=True sums slots on worker threads. When summing raises, the error is reported and
+    the block goes on: a load fails it with EIO (its bytes are unverified, not known bad), a store
+    writes it unsummed. Mutation tried: the worker's error left in its thread (the calls never return)."""
+    caches = id_caches("cpu", blocks=8)
+    async with make_engine(caches, 8, num_slots=2, checksum=True) as engine:
+        await store_identity(engine, caches, 2)
+        real = _engine._crc32c
+
+        def broken(addr: int, length: int) -> int:
+            raise RuntimeError("injected summing failure")
+
+        monkeypatch.setattr(_engine, "_crc32c", broken)
+        with reported_errors() as errors, anyio.fail_after(10):
+            with pytest.raises(BlockIOError) as info:
+                await engine.load_batch([0, 1], [4, 5])
+            assert info.value.failures == {0: errno.EIO, 1: errno.EIO}
+            fill(caches, 2, 3, 1)
+            await engine.store_batch([2], [3])  # written unsummed
+        assert len(errors) == 3 and all("summing" in str(error) for error in errors)
+        monkeypatch.setattr(_engine, "_crc32c", real)
+        for t in caches.values():
+            t[4:8].fill_(-1)
+        await engine.load_batch([0, 1, 3], [4, 5, 6])  # sums as before; block 3 has none to check
+        assert [identify(caches, g) for g in (4, 5, 6)] == [(0, 1, True), (1, 1, True), (3, 1, True)]
+        assert engine.stats()["leases_held"] == 0
+
+
+def test_checksum_without_crc32c_is_refused_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "crc32c", None)  # import crc32c now raises ImportError
+    with pytest.raises(ImportError, match="checksum=True needs the crc32c package"):
+        _engine.Engine(id_caches("cpu", blocks=2), tmp_path / "kv.bin", 2, 1, checksum=True)
 
 
 def _flip_a_byte(path: str, offset: int) -> None:

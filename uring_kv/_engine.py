@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -249,6 +249,11 @@ class Engine:
         self._direct = direct
         self._io_mode = io
         self._copy_delay = copy_delay
+        if checksum:
+            try:
+                import crc32c  # noqa: F401
+            except ImportError as exc:
+                raise ImportError("checksum=True needs the crc32c package (pip install crc32c)") from exc
         self.checksum = checksum
         self._sums: dict[int, int] = {}  # disk block → crc32c of its padded bytes, as last written
         self._sum_pool: ThreadPoolExecutor | None = None
@@ -821,15 +826,25 @@ class Engine:
             return
         self._ready_to_copy(block)
 
-    def _sum_then(self, addr: int, then: Callable[[int], None]) -> None:
+    def _sum_then(self, addr: int, then: Callable[[int | None], None]) -> None:
         """crc32c of one slot on a worker thread; ``then(crc)`` runs on the loop afterwards."""
         if self._sum_pool is None:
             self._sum_pool = ThreadPoolExecutor(2, thread_name_prefix="uring-kv-crc")
         summing = self._sum_pool.submit(_crc32c, addr, self.file.stride)
-        summing.add_done_callback(lambda done: self._svc.call_soon_threadsafe(then, done.result()))
+        summing.add_done_callback(lambda done: self._svc.call_soon_threadsafe(self._summed, done, then))
 
-    def _on_verified(self, block: _Block, crc: int) -> None:
-        if crc != block.crc:
+    def _summed(self, done: Future[int], then: Callable[[int | None], None]) -> None:
+        """On the loop: hand on the sum, or None when summing raised (reported; the block must not
+        wait for a sum that never comes)."""
+        exc = done.exception()
+        if exc is not None:
+            self._svc.report("uring_kv: summing a slot (checksum=True) failed", exc)
+        then(None if exc is not None else done.result())
+
+    def _on_verified(self, block: _Block, crc: int | None) -> None:
+        if crc is None:  # could not be summed: the bytes are unverified, not known bad
+            self._load_failed(block, errno.EIO)
+        elif crc != block.crc:
             self._load_failed(block, errno.EBADMSG)
         else:
             self._ready_to_copy(block)
@@ -881,8 +896,8 @@ class Engine:
         # Sum the staged bytes off the loop; the leases stay COPYING meanwhile (still being read).
         unsummed = [len(group)]
 
-        def summed(block: _Block, crc: int) -> None:
-            block.crc = crc
+        def summed(block: _Block, crc: int | None) -> None:
+            block.crc = crc  # None (summing failed, reported): written unsummed, so never verified
             unsummed[0] -= 1
             if unsummed[0] == 0:
                 self._write(group)
