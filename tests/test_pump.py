@@ -66,6 +66,17 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
 
 
+def record_hand_overs(engine: Engine, monkeypatch: pytest.MonkeyPatch, into: list[str]) -> None:
+    """Append "submit" to ``into`` each time slots are handed to a pump (its reads then start)."""
+    grow = engine._pump_grow
+
+    def recorded_grow(*args: object) -> None:
+        into.append("submit")
+        grow(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_pump_grow", recorded_grow)
+
+
 @pytest.mark.parametrize("hop", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True,
                          reason="the mutation: without the hop the client waits for the submissions"))],
                          ids=["hop", "no-hop"])
@@ -80,13 +91,7 @@ async def test_io_ready_during_a_batch_set_up_runs_before_its_first_submissions(
     async with make_engine(caches, 64, num_slots=4) as engine:
         await store_identity(engine, caches, 64)
         order: list[str] = []
-        grow = engine._pump_grow
-
-        def recorded_grow(*args: object) -> None:
-            order.append("submit")
-            grow(*args)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(engine, "_pump_grow", recorded_grow)
+        record_hand_overs(engine, monkeypatch, order)
         read_end, write_end = os.pipe()
 
         async def client() -> None:
@@ -116,14 +121,8 @@ async def test_a_batch_cancelled_in_its_start_hop_starts_nothing(make_engine: En
     caches = id_caches("cpu", blocks=16)
     async with make_engine(caches, 16, num_slots=4) as engine:
         await store_identity(engine, caches, 8)
-        submits: list[int] = []
-        grow = engine._pump_grow
-
-        def recorded_grow(*args: object) -> None:
-            submits.append(1)
-            grow(*args)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(engine, "_pump_grow", recorded_grow)
+        submits: list[str] = []
+        record_hand_overs(engine, monkeypatch, submits)
         for gpu_block in range(8):
             fill(caches, gpu_block, gpu_block, 2)
         before = engine.stats()["pumped_batches"]
