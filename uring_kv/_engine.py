@@ -97,7 +97,7 @@ class _Pumped:
     handle_event: bool = True  # the caller gets a handle whose event must be made (not load/store_batch)
 
 
-START_HOP = True
+START_HOP = True  # a pumped batch yields the loop between set-up and hand-over (_drive_pumped); False: A/B only
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
 # Largest block whose pumped reads and writes go without IOSQE_ASYNC on a buffered file: a page-cache
 # hit is then copied inside io_uring_enter on the loop thread (a few µs at this size).
