@@ -105,12 +105,16 @@ def test_baseline_names_are_checked() -> None:
 def test_spare_slots_default_to_half_the_depth_where_copies_are_copier_jobs() -> None:
     """GPU mode, and CPU mode once the slots hold over 1 MiB (its copies are then copier jobs),
     hide each slot's copy turnaround behind spare slots; smaller CPU set-ups keep their inline
-    pumps, which need the depth to be the slot count. An explicit count always wins."""
+    pumps, with spare slots for O_DIRECT up to the depth while all slots stay within 1 MiB (a reap
+    refills through them before it copies), none for buffered files (read straight into the
+    caches). An explicit count always wins."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert spare_slots(BenchConfig(slots=32), cuda, 4 << 10) == 16
     assert spare_slots(BenchConfig(slots=32), cpu, 128 << 10) == 16
-    assert spare_slots(BenchConfig(slots=32), cpu, 32 << 10) == 0  # 1 MiB: still inline
-    assert spare_slots(BenchConfig(slots=32), cpu, 16 << 10) == 0
+    assert spare_slots(BenchConfig(slots=32), cpu, 32 << 10) == 0  # 1 MiB: still inline, no room
+    assert spare_slots(BenchConfig(slots=32), cpu, 16 << 10) == 32
+    assert spare_slots(BenchConfig(slots=32), cpu, 16 << 10, direct=False) == 0
+    assert spare_slots(BenchConfig(slots=32), cpu, 24 << 10) == 10  # 42 × 24 KiB ≤ 1 MiB
     assert spare_slots(BenchConfig(slots=32, spare_slots=0), cuda, 2 << 20) == 0
     assert spare_slots(BenchConfig(slots=8, spare_slots=3), cpu, 4 << 10) == 3
 

@@ -230,6 +230,34 @@ async def test_memcpy_pumps_only_while_all_slots_hold_at_most_1_mib(make_engine:
         assert engine.stats()["pumped_batches"] == 2
 
 
+@pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
+async def test_spare_slots_take_a_reaps_refills_before_it_copies(make_engine: EngineFactory, copies: str,
+                                                                 direct: bool | None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memcpy pumps (CPU mode's small blocks) holding more slots than the I/O depth keep the spare
+    ones parked. A reap starts the next blocks in those and submits them before it copies the blocks
+    that just completed (whose slots then park in turn): refills do not wait for the loop's copies.
+    Bytes exact, the depth kept, every slot back; without spare slots nothing is copied late.
+    Mutation tried: every completion copied at once (copied_late stayed 0)."""
+    if copies != "memcpy":
+        pytest.skip("copier pumps copy on the copier's thread")
+    monkeypatch.setenv("URING_KV_PUMP_SCATTER", "0")  # buffered loads read into the slot as well
+    caches = id_caches("cpu", blocks=64)
+    for slots, late in ((4, False), (8, True)):
+        async with make_engine(caches, 64, num_slots=slots, io_depth=4, direct=direct) as engine:
+            await store_identity(engine, caches, 64)
+            for tensor in caches.values():
+                tensor.fill_(-1)
+            order = random.Random(slots).sample(range(64), 64)
+            await engine.load_batch(order, list(range(64)))
+            assert [identify(caches, g) for g in range(64)] == [(d, 1, True) for d in order]
+            assert engine.stats()["pumped_batches"] == 2
+            ring = engine.io._ring  # type: ignore[attr-defined]
+            assert (ring.copied_late > 0) is late
+            assert ring.pump_io() == (0, 4), "more reads in flight than the depth"
+            assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
+
+
 async def test_a_hot_pumped_batch_lets_the_loop_run_between_reap_passes(make_engine: EngineFactory,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Refills of a hot buffered batch complete inside their own submission, so one reap could go

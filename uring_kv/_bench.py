@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from uring_kv._engine import Engine, slots_copy_inline
+from uring_kv._engine import PUMP_INLINE_PASS_BYTES, Engine, slots_copy_inline
 from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
 from uring_kv._native import ring_loop
@@ -56,7 +56,7 @@ class BenchConfig:
     warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
     gc_freeze: bool = True  # collect and freeze the heap before measuring (see _frozen_heap)
     slots: int = 32  # uring_kv's I/O depth and the ring ceiling's
-    spare_slots: int | None = None  # uring_kv's staging slots beyond that depth (None: slots // 2 on a GPU, else 0)
+    spare_slots: int | None = None  # uring_kv's staging slots beyond that depth (None: see spare_slots())
     threads: int = 8
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
     device: str = "auto"
@@ -507,8 +507,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
     extra: dict[str, Any] = {}
     cases = [("cold", True), ("hot", False)] if config.direct is None else [
         ("cold" if config.direct else "hot", config.direct)]
-    spare = spare_slots(config, device, block_bytes)
     for case, direct in cases:
+        spare = spare_slots(config, device, block_bytes, direct)
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
         async with Engine(work.caches, path, work.num_disk_blocks, config.slots + spare,
                           direct=None if direct else False, checksum=config.checksum,
@@ -521,7 +521,11 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             if not direct:
                 await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
             stats = engine.stats()
-            extra.update(pinned_bytes=stats["pinned_bytes"], slots=config.slots + spare, io_depth=stats["io_depth"],
+            # the slot count can differ between the cases (spare_slots): each case's, and the first's
+            extra.update({f"pinned_bytes_{case}": stats["pinned_bytes"], f"slots_{case}": config.slots + spare})
+            extra.setdefault("pinned_bytes", stats["pinned_bytes"])
+            extra.setdefault("slots", config.slots + spare)
+            extra.update(io_depth=stats["io_depth"],
                          io=stats["io"], copy=stats["copy"], batches=work.batches)
 
             async def uring_kv(store: bool, disk_blocks: list[int], gpu_blocks: list[int],
@@ -631,22 +635,31 @@ def batches_for(config: BenchConfig, block_bytes: int) -> int:
     return max(4, min(16, -(-DEFAULT_BATCH_BYTES // per_batch)))
 
 
-def spare_slots(config: BenchConfig, device: torch.device, block_bytes: int) -> int:
-    """uring_kv's slots beyond the I/O depth: half the depth again by default wherever the copies
-    are jobs for the native copier, so that each slot spends a copy turnaround between its read
-    and the next (benchmarks.md: 0.80× of the ring ceiling at 128 KiB without, 0.91–0.95× with 16
-    on the H200): on a GPU, and in CPU mode once the slots hold over 1 MiB together. None for
-    CPU mode's smaller set-ups, whose pumps copy inline, need the depth to be the slot count and
-    have no turnaround to hide."""
+def spare_slots(config: BenchConfig, device: torch.device, block_bytes: int, direct: bool = True) -> int:
+    """uring_kv's slots beyond the I/O depth (an explicit ``--spare-slots`` always wins):
+
+    - half the depth again wherever the copies are jobs for the native copier, so that each slot
+      spends a copy turnaround between its read and the next (benchmarks.md: 0.80× of the ring
+      ceiling at 128 KiB without, 0.91–0.95× with 16 on the H200): on a GPU, and in CPU mode once
+      the slots hold over 1 MiB together;
+    - in CPU mode's smaller O_DIRECT set-ups, whose pumps copy each block on the loop, as many as
+      the depth while all slots still hold at most 1 MiB: a reap then submits its refills through
+      the spare slots before it copies (16 KiB loads: 0.86× of the ring ceiling without, 0.94× with
+      32, benchmarks.md 2026-12-04);
+    - none for buffered files there: their pumps read straight into the caches, nothing to wait for.
+    """
     if config.spare_slots is not None:
         return config.spare_slots
     # The engine's slot stride is the block rounded up to the file's DIO alignment, which the bench
     # learns only once the engine is open; 4 KiB is the usual alignment's upper end, so "inline"
     # here means inline there too. Where they can differ (blocks far below 4 KiB with hundreds of
     # slots; alignments over 4 KiB), the engine runs a slower path, never a wrong one.
-    if device.type == "cuda" or not slots_copy_inline(config.slots, round_up(block_bytes, 4096)):
+    stride = round_up(block_bytes, 4096)
+    if device.type == "cuda" or not slots_copy_inline(config.slots, stride):
         return config.slots // 2
-    return 0
+    if not direct:
+        return 0
+    return max(0, min(config.slots, PUMP_INLINE_PASS_BYTES // stride - config.slots))
 
 
 async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:

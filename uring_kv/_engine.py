@@ -207,9 +207,10 @@ class Engine:
     ``num_slots``: staging slots (pinned host memory = num_slots × padded block size).
     ``io_depth``: at most this many reads and writes in flight (default: ``num_slots``). Fewer than
     the slots leaves spare slots for blocks between their I/O and the end of their copy, so a slot's
-    turnaround through the copy does not take an I/O out of flight (GPU mode). CPU-mode native pumps
-    with inline memcpys keep one I/O per slot, so such an engine with ``io_depth < num_slots`` runs
-    without them; pumps on the native copier keep their I/Os within ``io_depth``.
+    turnaround through the copy does not take an I/O out of flight (GPU mode). In CPU mode with
+    O_DIRECT and small blocks (memcpys in the reap), spare slots let a reap submit the next reads
+    before it copies the blocks that just completed (``num_slots = 2 × io_depth`` while the slots
+    hold at most 1 MiB).
     ``direct``: True requires O_DIRECT, False never uses it, None (default) probes and falls back.
     ``io``: 'auto' (default, or ``$URING_KV_IO``), 'uring' or 'threads'.
     ``copy_delay``: for tests: hold every copy back about this many seconds (a host sleep in CPU
@@ -346,8 +347,8 @@ class Engine:
         self._copy_call_blocks = STAGED_MAX if staged else max(1, COPY_CALL_PIECES // len(self._tensors))
         # Batches on io_uring run in native pumps unless something per block needs Python
         # (checksums). Their copies are memcpys in the reap when a block's copy may run on the loop
-        # (CPU mode's inline copies; then the I/O depth must be the slot count: such a pump keeps an
-        # I/O in every slot it holds) and all slots together hold at most PUMP_INLINE_PASS_BYTES
+        # (CPU mode's inline copies; under a depth below the slot count the spare slots park, and a
+        # reap refills through them before it copies) and all slots together hold at most PUMP_INLINE_PASS_BYTES
         # (a pump's start, and a reap pass over a full CQ, copy every slot's block on the loop:
         # 32 × 128 KiB took 1.3 ms on the CPU machine); else jobs for the native copier (GPU
         # mode, large or slowed host copies, many slots), whose finished jobs the ring then collects
@@ -356,7 +357,7 @@ class Engine:
         inline = isinstance(self.copier, HostCopier) and self.copier.inline_blocks >= 1 and few_slots
         link = self.copier.link
         self._pump_copies: PumpCopies | None = None
-        self._pumped_batches = uring and not self.checksum and (not capped if inline else link is not None)
+        self._pumped_batches = uring and not self.checksum and (inline or link is not None)
         if self._pumped_batches and not inline and link is not None:
             assert isinstance(self.io, UringBackend)
             dev_slots = self.copier.pump_dev_slots([lease.addr for lease in self.pool.leases])

@@ -142,6 +142,12 @@ class NativeRing:
         now = _lib.ukv_ring_pump_io(self._ring, peak)
         return int(now), int(peak[0])
 
+    @property
+    def copied_late(self) -> int:
+        """Loads' memcpys that reaps did after submitting the refills of the same pass: a parked
+        slot took each completion's room first (pumps holding more slots than the ring's cap)."""
+        return int(_lib.ukv_ring_copied_late(self._ring))
+
     def _pumps_outcome(self) -> None:
         """What the last C call that moved pumps left in this ring's buffers: the pumps it moved
         (added to ``touched``) and why submitting their next I/Os failed (``refill_error``)."""

@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--spare-slots", type=_at_least(0), default=None,
                        help="uring_kv's staging slots beyond that depth, for blocks in their copy "
                             "(default: half the depth on a GPU, and in CPU mode when the slots hold "
-                            "over 1 MiB; else 0: CPU mode's inline-copy pumps need no spare slots)")
+                            "over 1 MiB; in smaller CPU-mode O_DIRECT set-ups as many as the depth "
+                            "while all slots hold at most 1 MiB; else 0)")
     bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
     bench.add_argument("--baselines", type=_baselines, default=_BASELINE_NAMES,
                        help="which methods run beside uring_kv, comma-separated: serial, threads (the "
