@@ -334,8 +334,20 @@ async def test_a_store_waits_for_a_pumped_load_of_the_same_block(fault_fs: tuple
         assert identify(caches, 1) == (7, 2, True)
 
 
+def slot_layout(layout: str, monkeypatch: pytest.MonkeyPatch, depth: int) -> dict[str, int]:
+    """Engine arguments for ``depth`` I/Os in flight: as many slots ("depth"), or twice as many
+    with the spare ones parked ("spare"; loads read into the slots, so a reap may refill through a
+    parked slot before it copies)."""
+    if layout == "depth":
+        return {"num_slots": depth}
+    monkeypatch.setenv("URING_KV_PUMP_SCATTER", "0")
+    return {"num_slots": 2 * depth, "io_depth": depth}
+
+
+@pytest.mark.parametrize("layout", ["depth", "spare"])
 async def test_a_cancelled_pumped_load_stops_starting_blocks(fault_fs: tuple[Path, FaultState],
-                                                            make_engine: EngineFactory) -> None:
+                                                            make_engine: EngineFactory, layout: str, copies: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Cancelled part way, the call returns once its started blocks are in place: each cache block
     then holds either its bytes or is untouched, the count of untouched ones is the metrics'
     cancelled blocks, and every slot is free. Odd blocks read slower, so the pump's slots come back
@@ -344,7 +356,7 @@ async def test_a_cancelled_pumped_load_stops_starting_blocks(fault_fs: tuple[Pat
     handed it back again, without end)."""
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=32)
-    async with make_engine(caches, 12, num_slots=2, path=mountpoint / "kv.bin") as engine:
+    async with make_engine(caches, 12, path=mountpoint / "kv.bin", **slot_layout(layout, monkeypatch, 2)) as engine:
         await store_identity(engine, caches, 12)
         for tensor in caches.values():
             tensor.fill_(-1)
@@ -361,19 +373,23 @@ async def test_a_cancelled_pumped_load_stops_starting_blocks(fault_fs: tuple[Pat
         assert sorted(loaded + untouched) == list(range(12)), f"a block is neither loaded nor untouched: {found}"
         assert 0 < len(untouched) < 12
         assert engine.metrics()["load"]["cancelled_blocks"] == len(untouched)
+        late = engine.io._ring.copied_late  # type: ignore[attr-defined]
+        assert (late > 0) is (layout == "spare" and copies == "memcpy"), "the spare slots took no refill"
         state.clear()
         await engine.load_batch([11], [0])  # still usable
         assert identify(caches, 0) == (11, 1, True)
 
 
+@pytest.mark.parametrize("layout", ["depth", "spare"])
 async def test_a_pump_hands_its_slots_to_a_waiting_batch(fault_fs: tuple[Path, FaultState],
-                                                         make_engine: EngineFactory) -> None:
-    """A long load holds both slots; a one-block load called after it gets the next slot that
-    frees up instead of waiting for the long one to finish. Mutation tried: pumps refilling their
-    slots whoever waits (the short load finished last)."""
+                                                         make_engine: EngineFactory, layout: str, copies: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long load holds every slot; a one-block load called after it gets the next slot that
+    frees up instead of waiting for the long one to finish (with spare slots, a parked one).
+    Mutation tried: pumps refilling their slots whoever waits (the short load finished last)."""
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=32)
-    async with make_engine(caches, 16, num_slots=2, path=mountpoint / "kv.bin") as engine:
+    async with make_engine(caches, 16, path=mountpoint / "kv.bin", **slot_layout(layout, monkeypatch, 2)) as engine:
         await store_identity(engine, caches, 16)
         state.slow_down(0, 16 * engine.file.stride, 0.03, writes=False)
         finished: list[str] = []
@@ -387,6 +403,8 @@ async def test_a_pump_hands_its_slots_to_a_waiting_batch(fault_fs: tuple[Path, F
             await anyio.sleep(0.01)
             tasks.spawn(load, "short", [15], [30])
         assert finished == ["short", "long"]
+        late = engine.io._ring.copied_late  # type: ignore[attr-defined]
+        assert (late > 0) is (layout == "spare" and copies == "memcpy"), "the spare slots took no refill"
         assert identify(caches, 30) == (15, 1, True)
         assert [identify(caches, 16 + i) for i in range(12)] == [(i, 1, True) for i in range(12)]
 
