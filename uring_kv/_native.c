@@ -45,7 +45,7 @@ struct ukv_op {
 struct ukv_pump;
 #define UKV_MAX_PUMPS 256
 #define UKV_PUMP_TAG (1ULL << 63)
-#define UKV_LATER_MAX 256 /* loads' memcpys one reap pass may put off (pump_complete_later) */
+#define UKV_LATER_MAX 256 /* loads' memcpys one reap pass may put off (pump_complete) */
 
 struct ukv_ring {
     struct io_uring ring;
@@ -428,20 +428,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
     return ret < 0 ? ret : kept;
 }
 
-/* A pump I/O's CQE, whose memcpy (a load's, in the reap) may wait until the refills that a parked
- * slot can take instead of this one are submitted: 1 when it was queued in `later` (the slot is
- * SLOT_COPY until copy_later runs), else 0 (nothing done: handle it with pump_complete). */
-static int pump_complete_later(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int32_t res,
-                               uint64_t *later, unsigned *nlater) {
-    if (p->write || p->slot_iov || p->copier || *nlater >= r->nparked || *nlater >= UKV_LATER_MAX) return 0;
-    if (s >= p->max_slots || p->state[s] != SLOT_IO || (uint64_t)(int64_t)res != p->expect) return 0;
-    r->io_inflight--;
-    p->state[s] = SLOT_COPY;
-    later[(*nlater)++] = ((uint64_t)p->id << 32) | s;
-    return 1;
-}
-
-/* The memcpys pump_complete_later put off, once the refills are submitted; each slot then takes
+/* The memcpys pump_complete put off, once the refills are submitted; each slot then takes
  * the pump's next block (room permitting, else it parks: the spare slot of the next round). */
 static void copy_later(struct ukv_ring *r, const uint64_t *later, unsigned nlater) {
     for (unsigned i = 0; i < nlater; i++) {
@@ -454,8 +441,11 @@ static void copy_later(struct ukv_ring *r, const uint64_t *later, unsigned nlate
     }
 }
 
-/* A pump I/O's CQE. */
-static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int32_t res) {
+/* A pump I/O's CQE. A load's memcpy in the reap is put off (queued in `later`, the slot SLOT_COPY
+ * until copy_later runs) while a parked slot can take this one's room: the refills then go out
+ * before the loop copies the blocks that just completed. */
+static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int32_t res, uint64_t *later,
+                          unsigned *nlater) {
     if (s >= p->max_slots || p->state[s] != SLOT_IO) return; /* not ours: never while Python keeps it attached */
     r->io_inflight--;
     if ((uint64_t)(int64_t)res != p->expect) {
@@ -463,6 +453,11 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
     } else if (!p->write && !p->slot_iov) {
         if (p->copier) {
             pump_due_copy(r, p, s);
+            return;
+        }
+        if (*nlater < r->nparked && *nlater < UKV_LATER_MAX) {
+            p->state[s] = SLOT_COPY;
+            later[(*nlater)++] = ((uint64_t)p->id << 32) | s;
             return;
         }
         copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 0, p->slot_addr[s], p->cache[p->slot_block[s]]);
@@ -601,8 +596,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
                 if (ud & UKV_PUMP_TAG) {
                     struct ukv_pump *p = tagged_pump(r, ud);
                     if (!p) continue;
-                    if (!pump_complete_later(r, p, (unsigned)(ud & 0xffffffffu), cqe->res, later, &nlater))
-                        pump_complete(r, p, (unsigned)(ud & 0xffffffffu), cqe->res);
+                    pump_complete(r, p, (unsigned)(ud & 0xffffffffu), cqe->res, later, &nlater);
                     pumped++;
                     touch(r, p);
                     out_of_time = deadline && now_ns() >= deadline;
