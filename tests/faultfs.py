@@ -126,6 +126,16 @@ def _operations(state: FaultState) -> Any:
         def unlink(self, path: str) -> None:
             with self._mutex:
                 self.files.pop(path, None)
+                self.modes.pop(path, None)
+
+        def rename(self, old: str, new: str) -> None:
+            # FUSE's own way to keep an open file that was unlinked (the engine's block file is):
+            # it renames it to .fuse_hidden*, which is unlinked at the last close
+            with self._mutex:
+                if old not in self.files:
+                    raise mfusepy.FuseOSError(errno.ENOENT)
+                self.files[new] = self.files.pop(old)
+                self.modes[new] = self.modes.pop(old)
 
         def chmod(self, path: str, mode: int) -> None:
             with self._mutex:
@@ -149,7 +159,7 @@ def mounted(mountpoint: Path) -> Iterator[FaultState]:
 
     def serve() -> None:
         try:
-            mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, direct_io=True, hard_remove=True)
+            mfusepy.FUSE(ops, str(mountpoint), foreground=True, nothreads=False, direct_io=True, hard_remove=False)
         except BaseException as exc:  # surfaced below as a skip reason
             failure.append(exc)
 

@@ -21,6 +21,12 @@ import torch
 ELEMS = 61  # odd on purpose: 244 bytes per tensor per block, padded by the engine
 
 
+def block_file(engine: Any) -> str:
+    """A path to an open engine's block file (which has no name of its own), for tests that read,
+    truncate or corrupt it behind the engine's back."""
+    return f"/proc/self/fd/{engine.file.fd}"
+
+
 def content(disk_block: int, version: int, layer: int, device: str) -> torch.Tensor:
     base = torch.arange(ELEMS, dtype=torch.int64) * 2654435761 + disk_block * 1000003 + version * 7919 + layer * 31
     block = (base % (2**31 - 1)).to(torch.int32)
@@ -62,13 +68,17 @@ class SoakResult:
     leaked: int
     pending: int
     cancelled: int
-    errors: int
-    file_removed: bool
+    errors: int  # errors nothing explains: any BlockIOError when no store fails
+    file_removed: bool  # the file is closed, and nothing is left at its path
     seconds: float
+    failed_stores: int = 0  # store calls that raised (only with ``faults``)
+    refused_loads: int = 0  # loaded blocks refused because their last store failed (only with ``faults``)
 
     def summary(self) -> str:
+        faults = (f" failed_stores={self.failed_stores} refused_loads={self.refused_loads}"
+                  if self.failed_stores or self.refused_loads else "")
         return (f"blocks={self.blocks} checked={self.checked} corrupt={self.corrupt} leaked={self.leaked} "
-                f"pending={self.pending} cancelled={self.cancelled} errors={self.errors} "
+                f"pending={self.pending} cancelled={self.cancelled} errors={self.errors}{faults} "
                 f"file_removed={'yes' if self.file_removed else 'NO'} seconds={self.seconds:.1f}")
 
     @property
@@ -78,23 +88,34 @@ class SoakResult:
 
 async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int = 16, batch: int = 8,
                disk_blocks: int = 256, cancel_rate: float = 0.1, directory: str | None = None, seed: int = 0,
-               **engine_options: Any) -> SoakResult:
+               faults: Any = None, **engine_options: Any) -> SoakResult:
     """Concurrent loads, stores and cancellations over few slots until ``blocks`` blocks have moved.
 
-    A load must return, for each block, a version at least that of the newest store to it that
-    completed before the load was called, at most the newest one called before it returned, intact."""
+    Every disk block is stored once (version 1) first. A load must then return, for each block, a
+    version at least that of the newest store to it that completed before the load was called, at
+    most the newest one *called* before the load was called (a store called later waits for the
+    load's read), intact, and never a version whose store failed.
+
+    ``faults``: ``(engine, rng) -> None``, called every millisecond or so while the workers run, to
+    make stores fail (e.g. a fault filesystem's failing ranges). Store errors are then expected; a
+    load may fail only for blocks with a failed store called before it returned, with that
+    store's errno, and any other load error counts in ``errors``."""
     from uring_kv import BlockIOError, Engine
 
     caches = id_caches(device, blocks=workers * batch)
     path = os.path.join(directory or tempfile.gettempdir(), f"uring-kv-soak-{os.getpid()}-{seed}.bin")
     called: dict[int, int] = defaultdict(int)
     completed: dict[int, int] = defaultdict(int)
-    moved = checked = corrupt = cancelled = errors = 0
+    failed: dict[int, dict[int, int]] = defaultdict(dict)  # disk block → version → errno of its failed store
+    moved = checked = corrupt = cancelled = errors = failed_stores = refused = 0
+    refusals: list[tuple[int, int]] = []  # (disk block, errno) of loaded blocks refused
+    delivered: list[tuple[int, int]] = []  # (disk block, version) loaded while stores fail
+    running = True
     start = time.perf_counter()
     engine = Engine(caches, path, disk_blocks, slots, **engine_options)
 
     async def worker(index: int) -> None:
-        nonlocal moved, checked, corrupt, cancelled, errors
+        nonlocal moved, checked, corrupt, cancelled, errors, failed_stores
         rng = random.Random(seed * 7919 + index)
         own = list(range(index * batch, (index + 1) * batch))
         while moved < blocks:
@@ -109,40 +130,76 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
                 task = asyncio.ensure_future(engine.store_batch(own, chosen))
             else:
                 floor = {d: completed[d] for d in chosen}
+                ceiling = {d: called[d] for d in chosen}
                 task = asyncio.ensure_future(engine.load_batch(chosen, own))
             if rng.random() < cancel_rate:
                 await asyncio.sleep(rng.random() * 0.002)
                 task.cancel()
+            failures: dict[int, int] = {}
             try:
                 await task
             except asyncio.CancelledError:
                 cancelled += 1  # the call returned: the engine is done with this worker's blocks
                 continue
-            except BlockIOError:
-                errors += 1
-                continue
-            moved += batch
+            except BlockIOError as exc:
+                failures = exc.failures
+                if store:
+                    failed_stores += 1
+                    for disk_block, version in zip(chosen, versions, strict=True):
+                        if disk_block in failures:
+                            failed[disk_block][version] = failures[disk_block]
+                elif faults is None:
+                    errors += 1
+                    continue
+            moved += batch - len(failures)
             if store:
                 for disk_block, version in zip(chosen, versions, strict=True):
-                    completed[disk_block] = max(completed[disk_block], version)
+                    if disk_block not in failures:
+                        completed[disk_block] = max(completed[disk_block], version)
                 continue
             for gpu_block, disk_block in zip(own, chosen, strict=True):
-                if called[disk_block] == 0:
-                    continue
                 checked += 1
+                if disk_block in failures:  # explained only by a failed store of it, with that errno
+                    refusals.append((disk_block, failures[disk_block]))  # (checked at the end: that
+                    continue  # store's own call may return after this load's)
                 found, version, intact = identify(caches, gpu_block)
-                if floor[disk_block] == 0 and (found, version) == (0, 0):
-                    continue  # every store to it so far was cancelled before writing: still a hole
-                if not (found == disk_block and intact and floor[disk_block] <= version <= called[disk_block]):
+                if not (found == disk_block and intact and floor[disk_block] <= version <= ceiling[disk_block]):
                     corrupt += 1
+                elif faults is not None:
+                    delivered.append((disk_block, version))
+
+    async def chaos() -> None:
+        rng = random.Random(seed)
+        while running:
+            faults(engine, rng)
+            await asyncio.sleep(0.001)
 
     await engine.open()
     try:
-        await asyncio.gather(*(worker(i) for i in range(workers)))
+        for first in range(0, disk_blocks, len(caches["layer0"])):
+            chosen = list(range(first, min(first + len(caches["layer0"]), disk_blocks)))
+            for gpu_block, disk_block in enumerate(chosen):
+                called[disk_block] = completed[disk_block] = 1
+                fill(caches, gpu_block, disk_block, 1)
+            await engine.store_batch(list(range(len(chosen))), chosen)
+        chaos_task = asyncio.ensure_future(chaos()) if faults is not None else None
+        try:
+            await asyncio.gather(*(worker(i) for i in range(workers)))
+        finally:
+            running = False
+            if chaos_task is not None:
+                await chaos_task
+        for disk_block, code in refusals:
+            if code in failed[disk_block].values():
+                refused += 1
+            else:
+                errors += 1
+        corrupt += sum(version in failed[disk_block] for disk_block, version in delivered)
         while engine.stats()["active_batches"]:
             await asyncio.sleep(0.005)
         stats = engine.stats()
     finally:
         await engine.aclose()
     return SoakResult(moved, checked, corrupt, stats["leases_held"], stats["copies_pending"] + stats["io_inflight"],
-                      cancelled, errors, not os.path.exists(path), time.perf_counter() - start)
+                      cancelled, errors, engine.file.closed and not os.path.exists(path),
+                      time.perf_counter() - start, failed_stores, refused)
