@@ -125,9 +125,9 @@ int ukv_unregister_files(struct ukv_ring *r);
 int ukv_iowq_max_workers(struct ukv_ring *r, unsigned *bounded, unsigned *unbounded);
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 
-struct ukv_pump {  /* only what Python reads; ukv_pump_new fills in the rest */
+struct ukv_pump {  /* only what Python reads (and nblocks, which keep_only() lowers); ukv_pump_new fills in the rest */
     int id, stop;
-    unsigned next, inflight, nreleased, nfailed, parked_empty;
+    unsigned next, inflight, nreleased, nfailed, parked_empty, nblocks;
     uint32_t *released;
     uint32_t *failed;
     int32_t *fail_errno;
@@ -142,6 +142,8 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
 void ukv_pump_free(struct ukv_pump *p);
 long ukv_check_blocks(const int64_t *v, unsigned n, int64_t limit, uint64_t *seen);
 void ukv_scale(const int64_t *v, unsigned n, uint64_t factor, uint64_t *out);
+long ukv_first_unset(const int64_t *v, unsigned n, const uint64_t *bits);
+void ukv_mark(const int64_t *v, unsigned n, uint64_t *bits, int value);
 #define UKV_MAX_PUMPS ...
 #define UKV_PUMP_TAG ...
 #define UKV_STAGED_MAX ...

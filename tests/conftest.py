@@ -114,7 +114,8 @@ async def make_engine(tmp_path: Path, io_mode: str) -> AsyncIterator[EngineFacto
             copier = getattr(engine, "copier", None)  # absent when open() failed before it
             assert copier is None or copier.pending == 0, "a native copy job is still pending after close"
             assert not engine.bridge.alive, "the bridge thread is still running"
-            assert not os.path.exists(engine.path), "the block file was not removed"
+            assert engine.file.closed, "the block file is still open"
+            assert not os.path.exists(engine.path), "a file was left at the engine's path"
     assert not loop_errors, f"a completion handler failed: {loop_errors}"
 
 

@@ -121,12 +121,17 @@ async def mixed_workload(engine: Engine, caches: dict[str, torch.Tensor], worker
                 await engine.load_batch(chosen, own)
                 for gpu_block, disk_block in zip(own, chosen, strict=True):
                     checked += 1
-                    if floor[disk_block] == 0:
-                        continue  # never stored: nothing to compare against
                     found, version, intact = identify(caches, gpu_block)
                     if not (found == disk_block and intact and floor[disk_block] <= version <= called[disk_block]):
                         problems += 1
 
+    # Every disk block holds version 1 first: loading a block never stored is an error (ENODATA).
+    for first in range(0, disk_blocks, batch):
+        chosen = list(range(first, min(first + batch, disk_blocks)))
+        for gpu_block, disk_block in enumerate(chosen):
+            called[disk_block] = 1
+            fill(caches, gpu_block, disk_block, 1)
+        await engine.store_batch(list(range(len(chosen))), chosen)
     del device
     await gather(*((worker, (i,)) for i in range(workers)))
     return checked, problems

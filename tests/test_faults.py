@@ -14,11 +14,12 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from aio import settle, task_group
 from conftest import EngineFactory, reported_errors
 from faultfs import FaultState
 
 from uring_kv import BlockIOError, _engine
-from uring_kv.testing import content, fill, id_caches, identify, store_identity
+from uring_kv.testing import block_file, content, fill, id_caches, identify, store_identity
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
 
@@ -107,13 +108,73 @@ async def test_enospc_raises_and_stored_blocks_survive(tiny_tmpfs: Path, make_en
         assert engine.stats()["leases_held"] == 0
 
 
+async def test_a_load_called_during_a_store_that_fails_raises_instead_of_stale_bytes(
+        fault_fs: tuple[Path, FaultState], make_engine: EngineFactory) -> None:
+    """Block 5 holds version 1; a store of version 2 to it is in flight (slow) and fails with EIO;
+    a load of block 5 called meanwhile waits for it, and must then fail too: the last store left
+    no bytes to trust. The pumped path checked the block only when called and returned what was
+    on disk."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=16)
+    async with make_engine(caches, 8, num_slots=4, path=mountpoint / "kv.bin") as engine:
+        await store_identity(engine, caches, 8)
+        fill(caches, 5, 5, 2)
+        state.slow_down(engine.file.offset(5), engine.file.stride, 0.1, reads=False)
+        state.fail_writes(engine.file.offset(5), engine.file.stride)
+        async with task_group() as tasks:
+            store = tasks.spawn(engine.store_batch, [5], [5])
+            await settle()  # the store is called, its write in flight
+            with pytest.raises(BlockIOError) as info:
+                await engine.load_batch([4, 5, 6], [8, 9, 10])
+            assert info.value.failures == {5: errno.EIO}
+            with pytest.raises(BlockIOError):
+                await store.join()
+        assert identify(caches, 8) == (4, 1, True) and identify(caches, 10) == (6, 1, True)
+        assert identify(caches, 9) == (-1, -1, False)  # untouched
+        assert engine.stats()["leases_held"] == 0
+
+
+@needs_root
+async def test_a_load_called_during_a_first_store_that_runs_out_of_space_raises(
+        tiny_tmpfs: Path, make_engine: EngineFactory) -> None:
+    """The same on a full 1 MiB tmpfs: the first store of a block fails with ENOSPC while a load
+    of it waits; the load raises ENOSPC (it used to return zeros with no error)."""
+    caches = id_caches("cpu", layers=64, blocks=8)
+    engine = make_engine(caches, 256, num_slots=4, path=tiny_tmpfs / "kv.bin", direct=False)
+    async with engine:
+        filler = tiny_tmpfs / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:  # take every page the tmpfs has
+            while os.write(fd, b"\1" * 4096):
+                pass
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        fill(caches, 0, 3, 1)
+        async with task_group() as tasks:
+            store = tasks.spawn(engine.store_batch, [0], [3])
+            load = tasks.spawn(engine.load_batch, [3], [1])
+        with pytest.raises(BlockIOError) as stored:
+            await store.join()
+        with pytest.raises(BlockIOError) as loaded:
+            await load.join()
+        assert stored.value.failures == {3: errno.ENOSPC}
+        assert loaded.value.failures == {3: errno.ENOSPC}
+        assert identify(caches, 1) == (-1, -1, False)
+        os.unlink(filler)
+        await engine.store_batch([0], [3])
+        await engine.load_batch([3], [1])
+        assert identify(caches, 1) == (3, 1, True)
+
+
 @pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])
 async def test_file_truncated_under_the_engine_raises_no_stale_bytes(make_engine: EngineFactory,
                                                                      direct: bool | None) -> None:
     caches = id_caches("cpu", blocks=4)
     async with make_engine(caches, 4, num_slots=2, direct=direct) as engine:
         await store_identity(engine, caches, 4)
-        os.truncate(engine.path, 0)
+        os.truncate(block_file(engine), 0)
         for t in caches.values():
             t.fill_(-1)
         with pytest.raises(BlockIOError) as info:
@@ -133,7 +194,7 @@ async def test_a_short_read_fails_its_block_and_delivers_no_other_blocks_bytes(m
     async with make_engine(caches, 4, num_slots=2, direct=direct) as engine:
         await store_identity(engine, caches, 4)
         piece = caches["layer0"][0].nbytes  # the file holds each block as its tensors' pieces in turn
-        os.truncate(engine.path, engine.file.offset(2) + 2 * piece)
+        os.truncate(block_file(engine), engine.file.offset(2) + 2 * piece)
         for t in caches.values():
             t.fill_(-1)
         with pytest.raises(BlockIOError) as info:
@@ -202,7 +263,7 @@ async def test_checksum_catches_bytes_changed_on_disk(make_engine: EngineFactory
         await store_identity(engine, caches, 4)
         await engine.load_batch(list(range(4)), list(range(4, 8)))  # sums verify when nothing changed
         assert [identify(caches, g) for g in range(4, 8)] == [(d, 1, True) for d in range(4)]
-        _flip_a_byte(engine.path, engine.file.offset(2) + 100)
+        _flip_a_byte(block_file(engine), engine.file.offset(2) + 100)
         for t in caches.values():
             t[4:8].fill_(-1)
         if checksum:

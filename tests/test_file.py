@@ -15,45 +15,88 @@ import uring_kv._file as file_module
 from uring_kv._file import BlockFile, round_up
 
 
-def test_created_0600_sized_and_removed_on_close(tmp_path: Path) -> None:
+def test_created_0600_sized_and_nameless(tmp_path: Path) -> None:
     os.umask(0)  # a permissive umask must not widen the mode
-    path = tmp_path / "kv.bin"
-    f = BlockFile(path, block_bytes=5000, num_blocks=10)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    try:
+        f = BlockFile(tmp_path / "kv.bin", block_bytes=5000, num_blocks=10)
+    finally:
+        os.umask(0o022)
+    st = os.fstat(f.fd)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_nlink == 0
+    assert f.naming == "unnamed (O_TMPFILE)" and f.named is None
+    assert os.listdir(tmp_path) == []
     assert f.stride == round_up(5000, f.alignment)
     assert f.stride % f.alignment == 0 and f.alignment >= 512
-    assert os.path.getsize(path) == 10 * f.stride
+    assert st.st_size == 10 * f.stride
     assert f.offset(3) == 3 * f.stride
     f.close()
-    assert not path.exists()
     assert f.closed
-    os.umask(0o022)
 
 
-def test_refuses_existing_file(tmp_path: Path) -> None:
+def test_an_existing_file_at_the_path_is_left_alone(tmp_path: Path) -> None:
     path = tmp_path / "kv.bin"
     path.write_bytes(b"someone else's data")
-    with pytest.raises(FileExistsError):
-        BlockFile(path, 4096, 4)
+    f = BlockFile(path, 4096, 4)
+    f.close()
     assert path.read_bytes() == b"someone else's data"
 
 
-def test_refuses_symlink_even_dangling(tmp_path: Path) -> None:
+def test_a_symlink_at_the_path_is_not_followed(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     link = tmp_path / "kv.bin"
     link.symlink_to(target)
-    with pytest.raises(FileExistsError):
-        BlockFile(link, 4096, 4)
-    assert not target.exists(), "the symlink was followed"
-
-
-def test_close_does_not_remove_a_replaced_path(tmp_path: Path) -> None:
-    path = tmp_path / "kv.bin"
-    f = BlockFile(path, 4096, 4)
-    os.unlink(path)
-    path.write_bytes(b"new owner")
+    f = BlockFile(link, 4096, 4)
     f.close()
-    assert path.read_bytes() == b"new owner"
+    assert not target.exists(), "the symlink was followed"
+    assert link.is_symlink()
+
+
+def test_a_missing_directory_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        BlockFile(tmp_path / "nowhere" / "kv.bin", 4096, 4)
+
+
+def _no_tmpfile(real_open: Any) -> Any:
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return int(real_open(path, flags, *args, **kwargs))
+    return open_
+
+
+def test_without_o_tmpfile_a_random_name_is_made_and_unlinked(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "open", _no_tmpfile(os.open))
+    f = BlockFile(tmp_path / "kv.bin", 4096, 4)
+    assert f.naming.startswith("unlinked at creation (O_TMPFILE refused: ") and f.named is None
+    assert os.listdir(tmp_path) == [] and os.fstat(f.fd).st_nlink == 0
+    f.close()
+
+
+def test_a_file_that_keeps_its_name_is_removed_unless_replaced(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where even the unlink at creation fails, the file keeps a random name, which close()
+    removes, but only while that name is still this file."""
+    monkeypatch.setattr(os, "open", _no_tmpfile(os.open))
+    real_unlink = os.unlink
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    kept = BlockFile(tmp_path / "kv.bin", 4096, 4)
+    replaced = BlockFile(tmp_path / "kv.bin", 4096, 4)
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    name, other = kept.named, replaced.named
+    assert name is not None and other is not None and "unlink refused: EBUSY" in kept.naming
+    assert os.path.basename(name).startswith("kv.bin.")
+    assert stat.S_IMODE(os.stat(name).st_mode) == 0o600
+    kept.close()
+    assert not os.path.exists(name)
+    os.unlink(other)
+    Path(other).write_bytes(b"new owner")
+    replaced.close()
+    assert Path(other).read_bytes() == b"new owner"
 
 
 def test_direct_probe_succeeds_where_supported(tmp_path: Path) -> None:
@@ -61,7 +104,7 @@ def test_direct_probe_succeeds_where_supported(tmp_path: Path) -> None:
     if not f.direct:
         pytest.skip(f"this filesystem refuses O_DIRECT: {f.reason}")
     assert os.O_DIRECT & fcntl.fcntl(f.fd, fcntl.F_GETFL)
-    assert os.path.getsize(f.path) == 4 * f.stride  # the probe left no bytes of its own behind
+    assert os.fstat(f.fd).st_size == 4 * f.stride  # the probe left no bytes of its own behind
     f.close()
 
 

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import os
 import re
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 from conftest import BOTH_BACKENDS, EngineFactory
 
 from uring_kv import Engine, EngineClosedError
-from uring_kv.testing import id_caches, store_identity
+from uring_kv.testing import block_file, id_caches, store_identity
 
 
 @pytest.fixture(params=BOTH_BACKENDS)
@@ -55,14 +52,14 @@ async def test_bad_call_rejected_before_io(make_engine: EngineFactory, call: Cal
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 16, num_slots=2) as engine:
         await store_identity(engine, caches, 8)
-        before = hashlib.sha256(Path(engine.path).read_bytes()).hexdigest()
+        before = hashlib.sha256(Path(block_file(engine)).read_bytes()).hexdigest()
         snapshot = {k: v.clone() for k, v in caches.items()}
         submitted = engine.pool.reissues
         with pytest.raises(error, match=message):
             await call(engine)
         assert engine.pool.reissues == submitted, "a slot was taken for a call that should have been rejected"
         assert engine.stats()["active_batches"] == 0
-        assert hashlib.sha256(Path(engine.path).read_bytes()).hexdigest() == before
+        assert hashlib.sha256(Path(block_file(engine)).read_bytes()).hexdigest() == before
         assert all(torch.equal(caches[k], snapshot[k]) for k in caches)
 
 
@@ -119,27 +116,12 @@ async def test_closed_engine_refuses_work(make_engine: EngineFactory) -> None:
         await engine.store_batch([0], [0])
 
 
-async def test_existing_path_refused_and_untouched(tmp_path: Path) -> None:
+async def test_an_existing_file_at_the_path_is_untouched(tmp_path: Path) -> None:
+    """The block file never takes the path's name (it is nameless): whatever is there stays."""
     path = tmp_path / "kv.bin"
     path.write_bytes(b"not ours")
-    with pytest.raises(FileExistsError):
-        await Engine(id_caches("cpu"), path, 4).open()
+    caches = id_caches("cpu")
+    async with Engine(caches, path, 4) as engine:
+        await store_identity(engine, caches, 4)
     assert path.read_bytes() == b"not ours"
-
-
-async def test_unclosed_engine_warns_and_removes_its_file(tmp_path: Path) -> None:
-    path = tmp_path / "kv.bin"
-    engine = Engine(id_caches("cpu"), path, 4, num_slots=1)
-    await engine.open()
-    assert path.exists()
-    engine.bridge.stop()  # what aclose would do; the point is the file
-    engine.copier.close()
-    engine.io.close()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        del engine
-        gc.collect()
-        await anyio.sleep(0)
-    assert any(issubclass(w.category, ResourceWarning) and "was not closed" in str(w.message) for w in caught)
-    assert not path.exists()
-    assert not os.path.lexists(path)
+    assert os.listdir(tmp_path) == ["kv.bin"]

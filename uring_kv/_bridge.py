@@ -108,7 +108,8 @@ class Bridge:
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join()
+        if threading.current_thread() is not self._thread:  # (a handler it ran dropped the engine)
+            self._thread.join()
 
 
 # An event whose wait fails (a CUDA error: the context is broken) is delivered as failed, with the

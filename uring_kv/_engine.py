@@ -36,6 +36,8 @@ from uring_kv._native import (
     bitmap,
     block_array,
     check_blocks,
+    first_unset,
+    mark,
 )
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
 from uring_kv.errors import BlockIOError, EngineClosedError
@@ -91,6 +93,7 @@ class _Pumped:
     deps: list[Any]
     phase_done: Any
     pump: NativePump
+    disk_c: Any  # the disk blocks as a C int64 array
     wake: Any = None  # the driver waits on it while the pump holds slots
     waits: int = 0  # slot waits observed by the driver
     finished: bool = False
@@ -183,8 +186,10 @@ def _normalise_caches(caches: Any) -> tuple[list[str], list[Any]]:
             raise TypeError(f"cache {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if t.dim() < 1 or t.shape[0] == 0 or t.numel() == 0:
             raise ValueError(f"cache {name!r} has no blocks (shape {tuple(t.shape)})")
-        if not t.is_contiguous():
-            raise ValueError(f"cache {name!r} is not contiguous: each block (dim 0) must be one contiguous run")
+        if not t.is_contiguous():  # (a view whose blocks are not one run each, or overlap: as_strided, a slice
+            # of an inner dim, an expanded dim): its block bytes would reach memory it does not own
+            raise ValueError(f"cache {name!r} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
+                             "each block (dim 0) must be one contiguous run of its own bytes")
         if t.device != tensors[0].device:
             raise ValueError(f"cache {name!r} is on {t.device}, cache {names[0]!r} on {tensors[0].device}: "
                              "all caches must be on one device")
@@ -197,10 +202,17 @@ def _normalise_caches(caches: Any) -> tuple[list[str], list[Any]]:
 
 
 class Engine:
-    """Loads and stores KV-cache blocks between ``caches`` and a private file at ``path``.
+    """Loads and stores KV-cache blocks between ``caches`` and a private file beside ``path``.
 
+    ``path``: where the block file lives. The file never takes this name (or any): it is made
+    unnamed in ``path``'s directory (resolved once, at construction), mode 0600, so no other
+    process can open it and none of its bytes outlive the process, even under SIGKILL. Whatever
+    exists at ``path`` is left alone.
     ``caches``: mapping name → tensor (or a sequence of tensors), all on one device, dim 0 the block
-    index. A disk block holds one block of every tensor, padded to the I/O alignment.
+    index, each block one contiguous run of its tensor's own bytes. A disk block holds one block
+    of every tensor, padded to the I/O alignment.
+    ``num_disk_blocks``: the file's size in blocks. Loading a block that was never stored, or
+    whose last store failed, fails that block (``ENODATA``, or the store's errno).
     Use as ``async with Engine(...) as engine`` (or ``await engine.open()`` … ``await engine.aclose()``),
     under asyncio or trio (directly or through anyio): ``open()`` binds the engine to the loop it runs on.
 
@@ -236,15 +248,25 @@ class Engine:
         self.gpu = self.device.type == "cuda"
         self.num_gpu_blocks = int(self._tensors[0].shape[0])
         self._seen_gpu = bitmap(self.num_gpu_blocks)  # scratch for the repeat checks of a call
-        self._seen_disk: Any = None  # the same for disk blocks of stores, made on first use
-        self._tensor_block_bytes = [t.stride(0) * t.element_size() for t in self._tensors]
+        # Bytes of one block of each tensor, from its shape: stride(0) overstates it for a tensor of
+        # one block that is a slice (its stride still spans the whole parent's block).
+        self._tensor_block_bytes = [t.numel() // t.shape[0] * t.element_size() for t in self._tensors]
         offsets, total = [], 0
         for nbytes in self._tensor_block_bytes:
             offsets.append(total)
             total += nbytes
         self._slot_offsets = offsets
         self.block_bytes = total
-        self.path = os.fspath(path)
+        # Resolved once: a later chdir must not change which directory the file is made in.
+        self.path = os.path.abspath(os.fspath(path))
+        _check_disk_size(num_disk_blocks, total)
+        try:
+            # stored: disk blocks whose last store succeeded (a load of any other fails, naming it);
+            # seen: scratch for the repeat check of a store's disk blocks
+            self._stored, self._seen_disk = bitmap(num_disk_blocks), bitmap(num_disk_blocks)
+        except MemoryError:
+            raise ValueError(f"num_disk_blocks={num_disk_blocks}: no memory for its index "
+                             f"({_index_bytes(num_disk_blocks)} bytes)") from None
         self.num_disk_blocks = num_disk_blocks
         self.num_slots = num_slots
         self._direct = direct
@@ -259,11 +281,13 @@ class Engine:
         self._sums: dict[int, int] = {}  # disk block → crc32c of its padded bytes, as last written
         self._sum_pool: ThreadPoolExecutor | None = None
         self._state = "new"
+        self._open_done: Any = None  # futures: open() finished (however), the closing finished
+        self._close_done: Any = None
         self._active: set[_Batch] = set()
         self._last_store: dict[int, Any] = {}  # disk block → phase_done of its latest store
         self._loads_reading: dict[int, list[Any]] = {}  # disk block → phase_done of reads in flight
         self._batch_reads: dict[Any, set[int]] = {}  # phase_done of a pumped load → the blocks it reads
-        self._invalid: dict[int, int] = {}  # disk block → errno of its last, failed store
+        self._invalid: dict[int, int] = {}  # disk block → errno of its last store, which failed
         self._flush_scheduled = False
         self._ready_batches: list[_Batch] = []
         self._metrics = {Kind.LOAD: DirectionMetrics(), Kind.STORE: DirectionMetrics()}
@@ -273,20 +297,26 @@ class Engine:
     async def open(self) -> Engine:
         if self._state != "new":
             raise RuntimeError(f"engine is {self._state}; open() is called once")
+        svc = current_services()
+        self._svc = svc
         self._state = "opening"
+        self._open_done = svc.create_future()  # an aclose() meanwhile waits for it, then closes
         try:
-            self._svc = current_services()
             prepare = staged_kernel_preparer(self.device) if self.gpu else None
-            self.file = await self._svc.to_thread(self._open_file, prepare, cleanup=_close_file)
+            self.file = await svc.to_thread(self._open_file, prepare, cleanup=_close_file)
         except BaseException:
             self._state = "closed"
+            self._open_done.set_result(None)
             raise
         try:
             self._open_rest()
         except BaseException:
             self._release()  # nothing was submitted yet
             raise
-        self._state = "open"
+        else:
+            self._state = "open"
+        finally:
+            self._open_done.set_result(None)
         return self
 
     def _open_file(self, prepare: Callable[[], None] | None) -> BlockFile:
@@ -369,26 +399,34 @@ class Engine:
                               and os.environ.get("URING_KV_PUMP_SCATTER", "1") != "0")
 
     def _release(self) -> None:
-        """Free whatever open() set up, last part first. Nothing may be in flight any more."""
-        copier, bridge, io = (getattr(self, name, None) for name in ("copier", "bridge", "io"))
-        if copier is not None:
-            copier.close()
-        if bridge is not None:
-            bridge.stop()
-        if io is not None:
-            io.close()
+        """Free whatever open() set up, last part first, each part even if an earlier one failed
+        (the first failure is raised after). Nothing may be in flight any more. On the loop's
+        thread, or anywhere once the loop is closed."""
+        self._state = "closed"
+        steps: list[Callable[[], Any]] = []
+        for name in ("copier", "bridge", "io"):
+            part = getattr(self, name, None)
+            if part is not None:
+                steps.append(part.stop if name == "bridge" else part.close)
         if getattr(self, "_host_registered", False):
             import torch
 
-            torch.cuda.cudart().cudaHostUnregister(self.pool.slab.addr)
+            self._host_registered = False
+            steps.append(functools.partial(torch.cuda.cudart().cudaHostUnregister, self.pool.slab.addr))
         if self._sum_pool is not None:
-            self._sum_pool.shutdown()
+            steps.append(self._sum_pool.shutdown)
         if getattr(self, "pool", None) is not None:
-            self.pool.close()
-        try:
-            self.file.close()
-        finally:
-            self._state = "closed"
+            steps.append(self.pool.close)
+        if getattr(self, "file", None) is not None:
+            steps.append(self.file.close)
+        failure: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     async def __aenter__(self) -> Engine:
         return await self.open()
@@ -398,29 +436,85 @@ class Engine:
 
     async def aclose(self) -> None:
         """Stop accepting work, let in-flight batches finish, wait for every I/O and copy, free all.
-        Cancelling it does not stop it half way: it finishes closing, then raises the cancellation."""
-        if self._state in ("closed", "closing", "new"):
-            self._state = "closed" if self._state == "new" else self._state
+        Every call returns only once the engine is closed (a second one waits for the first; one
+        made while ``open()`` runs waits for it, then closes). Cancelling it does not stop it half
+        way: it finishes closing, then raises the cancellation. Called on another thread or event
+        loop than ``open()``'s, it raises RuntimeError, unless that loop has ended and nothing is
+        in flight: then it frees everything at once."""
+        if self._state == "new":
+            self._state = "closed"
+        if self._state == "closed":
+            return
+        svc = self._svc
+        if not svc.is_current():
+            if svc.is_closed() and not self._in_flight():
+                self._release()
+                return
+            raise RuntimeError(self._foreign("aclose()"))
+        if self._state == "opening":
+            await svc.wait_through_cancellation(self._open_done)
+            if self._state != "open":  # open() failed, or another aclose() already began
+                await self.aclose()
+                return
+        if self._state == "closing":
+            await svc.wait_through_cancellation(self._close_done)
             return
         self._state = "closing"
-        await self._svc.run_to_completion(self._close())
+        self._close_done = svc.create_future()
+        try:
+            await svc.run_to_completion(self._close())
+        finally:
+            self._close_done.set_result(None)
 
     async def _close(self) -> None:
-        for batch in list(self._active):
-            await self._svc.wait_through_cancellation(batch.done)
-        await self.io.drain()
-        while self.bridge.pending or self.copier.pending:
-            await self._svc.sleep(0.001)
-        self._release()
+        try:
+            for batch in list(self._active):
+                await self._svc.wait_through_cancellation(batch.done)
+            await self.io.drain()
+            while self.bridge.pending or self.copier.pending:
+                await self._svc.sleep(0.001)
+        finally:
+            if not self._in_flight():
+                self._release()
+
+    def _in_flight(self) -> int:
+        """I/O ops, copies and completions the kernel, the copiers or the bridge still owe."""
+        io, bridge, copier = (getattr(self, name, None) for name in ("io", "bridge", "copier"))
+        return ((io.inflight if io is not None else 0) + (bridge.pending if bridge is not None else 0)
+                + (copier.pending if copier is not None else 0))
+
+    def _foreign(self, what: str) -> str:
+        return (f"uring_kv Engine for {self.path}: {what} called outside the event loop (and thread) that "
+                "opened it; call it from there")
 
     def __del__(self) -> None:
-        if getattr(self, "_state", "closed") in ("open", "opening"):
-            warnings.warn(f"uring_kv Engine for {self.path} was not closed; removing its file",
+        """An engine dropped open: free what can be freed without its loop (threads, ring, slab,
+        file); with transfers still in flight, their memory and file must stay until they end."""
+        if getattr(self, "_state", "closed") not in ("open", "closing"):
+            return
+        owed = self._in_flight()
+        if owed:
+            warnings.warn(f"uring_kv Engine for {self.path} was not closed, with {owed} transfers in flight: "
+                          "its staging memory, ring, threads and file stay until the process exits",
                           ResourceWarning, stacklevel=1)
-            file, io = getattr(self, "file", None), getattr(self, "io", None)
-            if file is not None and (io is None or io.inflight == 0):  # else keep the fd: I/O still uses it
-                with contextlib.suppress(Exception):
-                    file.close()
+            return
+        warnings.warn(f"uring_kv Engine for {self.path} was not closed; its threads, ring, staging memory and "
+                      "file were released", ResourceWarning, stacklevel=1)
+        svc = self._svc
+        if svc.is_current() or svc.is_closed():
+            self._release_quietly()
+        else:  # another thread: the loop's watchers are removed on the loop's thread
+            try:
+                svc.call_soon_threadsafe(self._release_quietly)
+            except RuntimeError:  # the loop has just ended
+                self._release_quietly()
+
+    def _release_quietly(self) -> None:
+        try:
+            self._release()
+        except Exception as exc:
+            warnings.warn(f"uring_kv Engine for {self.path}: releasing it failed: {exc}", ResourceWarning,
+                          stacklevel=1)
 
     @property
     def closed(self) -> bool:
@@ -496,8 +590,7 @@ class Engine:
                     after: Any, pump: bool = True) -> tuple[_Batch, list[_Block] | _Pumped]:
         args = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
         disk, gpu, after = args.disk, args.gpu, args.after
-        invalid = self._invalid
-        if pump and self._pumped_batches and disk and not (invalid and any(d in invalid for d in disk)):
+        if pump and self._pumped_batches and disk:
             run = self._pumped(Kind.LOAD, args)
             if run is not None:
                 return run.batch, run
@@ -570,7 +663,8 @@ class Engine:
             for fut, reads in self._batch_reads.items():
                 if not reads.isdisjoint(disk):
                     deps[id(fut)] = fut
-        run = _Pumped(self._new_batch(kind, args.after, len(disk)), disk, list(deps.values()), phase_done, pump)
+        run = _Pumped(self._new_batch(kind, args.after, len(disk)), disk, list(deps.values()), phase_done, pump,
+                      args.disk_c)
         self._pumped_count += 1
         holder.append(run)
         return run
@@ -587,6 +681,8 @@ class Engine:
             for dep in run.deps:
                 if not dep.done():
                     await self._svc.wait(dep)
+            if kind is Kind.LOAD and first_unset(run.disk_c, len(run.disk), self._stored) >= 0:
+                self._drop_unstored(run)  # checked now: the stores it waited for may have failed
             while pump.started < pump.nblocks:
                 if pump.slots == 0:
                     waited = time.monotonic()
@@ -606,6 +702,19 @@ class Engine:
             self._pump_progress(run)
         await self._svc.wait(batch.enqueued)
         return TransferHandle(batch, batch.last_event, self._svc)
+
+    def _drop_unstored(self, run: _Pumped) -> None:
+        """Before its first block starts: fail the blocks of a pumped load that hold no stored
+        bytes (never stored, or their last store failed), and leave the pump the others."""
+        stored, failures = self._stored, run.batch.failures
+        keep = []
+        for position, d in enumerate(run.disk):
+            if stored[d >> 6] >> (d & 63) & 1:
+                keep.append(position)
+            else:
+                failures[d] = self._invalid.get(d, errno.ENODATA)
+        run.pump.keep_only(keep)
+        run.disk = [run.disk[position] for position in keep]
 
     def _pump_grow(self, run: _Pumped, leases: list[Lease]) -> None:
         """Give the pump ``leases`` (PUMPING already): their slots are its until it hands them back."""
@@ -653,7 +762,9 @@ class Engine:
             if invalid:
                 for d in disk[:started]:
                     invalid.pop(d, None)
-            invalid.update(failures)  # a failed write leaves no bytes to trust
+            mark(run.disk_c, started, self._stored, True)
+            for d in failures:  # a failed write leaves no bytes to trust
+                self._unstore(d, failures[d])
         pending = [dep for dep in run.deps if not dep.done()]
         if pending:  # cancelled before its hazards cleared: a later batch may rely on this order
             self._svc.when_all(pending, _bind(self._pump_phase_finished, run))
@@ -695,17 +806,17 @@ class Engine:
     def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> _Args:
         if self._state != "open":
             raise EngineClosedError(f"engine is {self._state}")
+        if not self._svc.is_current():  # before anything is taken: a slot, a hazard, a pump
+            raise RuntimeError(self._foreign("load_batch()" if kind is Kind.LOAD else "store_batch()"))
         disk, disk_c = _block_indices(disk_blocks, "disk_blocks", self.num_disk_blocks)
         gpu, gpu_c = _block_indices(gpu_blocks, "gpu_blocks", self.num_gpu_blocks)
         if len(disk) != len(gpu):
             raise ValueError(f"disk_blocks has {len(disk)} entries but gpu_blocks has {len(gpu)}")
         if (dup := check_blocks(gpu_c, len(gpu), self.num_gpu_blocks, self._seen_gpu)) >= 0:
             raise ValueError(f"gpu block {gpu[dup]} appears twice in one batch")
-        if kind is Kind.STORE:
-            if self._seen_disk is None:
-                self._seen_disk = bitmap(self.num_disk_blocks)
-            if (dup := check_blocks(disk_c, len(disk), self.num_disk_blocks, self._seen_disk)) >= 0:
-                raise ValueError(f"disk block {disk[dup]} appears twice in one store batch")
+        if kind is Kind.STORE and (dup := check_blocks(disk_c, len(disk), self.num_disk_blocks,
+                                                       self._seen_disk)) >= 0:
+            raise ValueError(f"disk block {disk[dup]} appears twice in one store batch")
         if after is not None:
             if not self.gpu:
                 raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
@@ -777,13 +888,14 @@ class Engine:
         if batch.kind is Kind.LOAD:
             ops = []
             fd, stride, offset = self.file.fd, self.file.stride, self.file.offset
-            invalid_blocks, on_read = self._invalid, self._on_read
+            stored, on_read = self._stored, self._on_read
             for block in group:
                 lease = block.lease
                 assert lease is not None
                 lease.advance(LeaseState.RESERVED)
-                if invalid_blocks and block.disk_block in invalid_blocks:  # its last store failed:
-                    self._svc.call_soon(on_read, block, -invalid_blocks[block.disk_block])  # no bytes to trust
+                d = block.disk_block
+                if not stored[d >> 6] >> (d & 63) & 1:  # never stored, or its last store failed: no bytes
+                    self._svc.call_soon(on_read, block, -self._invalid.get(d, errno.ENODATA))  # to trust
                     continue
                 ops.append(Op(False, fd, lease.addr, stride, offset(block.disk_block), _bind(on_read, block),
                               lease.index))
@@ -923,19 +1035,26 @@ class Engine:
         assert lease is not None
         block.lease = None
         self.pool.release(lease)  # WRITING → FREE: the write CQE says the kernel is done
+        d = block.disk_block
         if res != self.file.stride:
             code = -res if res < 0 else errno.EIO
-            block.batch.failures[block.disk_block] = code
-            self._invalid[block.disk_block] = code
-            self._sums.pop(block.disk_block, None)
+            block.batch.failures[d] = code
+            self._unstore(d, code)
         else:
-            self._invalid.pop(block.disk_block, None)
+            self._invalid.pop(d, None)
+            self._stored[d >> 6] |= 1 << (d & 63)
             if block.crc is not None:
                 self._sums[block.disk_block] = block.crc
             else:
                 self._sums.pop(block.disk_block, None)  # written unsummed: nothing to verify against
         self._phase_finished(block)
         self._batch_block_done(block.batch)
+
+    def _unstore(self, disk_block: int, code: int) -> None:
+        """A store to ``disk_block`` failed with ``code``: its bytes are not to be trusted any more."""
+        self._stored[disk_block >> 6] &= ~(1 << (disk_block & 63))
+        self._invalid[disk_block] = code
+        self._sums.pop(disk_block, None)
 
     def _phase_finished(self, block: _Block) -> None:
         fut = block.phase_done
@@ -973,8 +1092,7 @@ class Engine:
             batch.failures[block.disk_block] = errno.EIO
             self.pool.release(lease)  # load COPYING / store COPYING → FREE: nothing uses the slot now
             if batch.kind is Kind.STORE:
-                self._invalid[block.disk_block] = errno.EIO
-                self._sums.pop(block.disk_block, None)
+                self._unstore(block.disk_block, errno.EIO)
                 self._phase_finished(block)
             self._batch_block_done(batch)
 
@@ -1021,6 +1139,25 @@ def _all_done(futures: list[Any]) -> bool:
         if not fut.done():
             return False
     return True
+
+
+def _index_bytes(num_disk_blocks: int) -> int:
+    """Memory of the per-disk-block index: two bitmaps (stored; a store's repeat check)."""
+    return 2 * 8 * ((num_disk_blocks + 63) // 64)
+
+
+def _check_disk_size(num_disk_blocks: int, block_bytes: int) -> None:
+    """Refuse, naming the argument, a disk the index's memory or a file offset cannot hold. No
+    syscall on the filesystem here (this runs on the caller's loop): a file larger than the
+    filesystem allows is refused by open(), from its ftruncate."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if (need := _index_bytes(num_disk_blocks)) > memory // 4:
+        raise ValueError(f"num_disk_blocks={num_disk_blocks} needs {need / 2**30:.1f} GiB of index memory "
+                         f"(2 bits per block), over a quarter of this machine's {memory / 2**30:.1f} GiB")
+    file_bytes = num_disk_blocks * -(-block_bytes // 512) * 512  # at least: blocks pad to >= 512 bytes
+    if file_bytes > 2**63 - 1:
+        raise ValueError(f"num_disk_blocks={num_disk_blocks}: a file of {file_bytes} bytes is beyond any file "
+                         "offset (2**63 - 1)")
 
 
 def _close_file(file: BlockFile) -> None:

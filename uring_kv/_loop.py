@@ -44,6 +44,14 @@ class LoopServices(ABC):
     def create_future(self) -> Any: ...
 
     @abstractmethod
+    def is_current(self) -> bool:
+        """Whether the calling code runs in this loop (on its thread, while it runs)."""
+
+    @abstractmethod
+    def is_closed(self) -> bool:
+        """Whether the loop has finished for good (nothing it was asked to call will run)."""
+
+    @abstractmethod
     async def wait(self, fut: Any) -> Any:
         """``fut``'s result (or exception). Cancelling the waiter leaves ``fut`` untouched."""
 
@@ -116,6 +124,12 @@ class AsyncioServices(LoopServices):
     def create_future(self) -> Any:
         return self.loop.create_future()
 
+    def is_current(self) -> bool:
+        return asyncio._get_running_loop() is self.loop
+
+    def is_closed(self) -> bool:
+        return self.loop.is_closed()
+
     async def wait(self, fut: Any) -> Any:
         if fut.done():
             return fut.result()
@@ -144,7 +158,8 @@ class AsyncioServices(LoopServices):
         self.loop.add_reader(fd, callback)
 
     def remove_reader(self, fd: int) -> None:
-        self.loop.remove_reader(fd)
+        if not self.loop.is_closed():  # a closed loop watches nothing any more
+            self.loop.remove_reader(fd)
 
     async def to_thread(self, fn: Callable[..., Any], *args: Any,
                         cleanup: Callable[[Any], None] | None = None) -> Any:
@@ -258,6 +273,19 @@ class TrioServices(LoopServices):
     def create_future(self) -> TrioFuture:
         return TrioFuture(self)
 
+    def is_current(self) -> bool:
+        try:
+            return self._trio.lowlevel.current_trio_token() is self._token
+        except RuntimeError:
+            return False
+
+    def is_closed(self) -> bool:
+        try:
+            self._token.run_sync_soon(_nothing)
+        except self._trio.RunFinishedError:
+            return True
+        return False
+
     async def wait(self, fut: Any) -> Any:
         if not fut.done():
             event = self._trio.Event()
@@ -302,7 +330,8 @@ class TrioServices(LoopServices):
         scope = self._readers.pop(fd, None)
         if scope is not None:
             scope.cancel()
-            self._trio.lowlevel.notify_closing(fd)
+            with contextlib.suppress(RuntimeError):  # the run has ended: nothing watches fd
+                self._trio.lowlevel.notify_closing(fd)
 
     async def to_thread(self, fn: Callable[..., Any], *args: Any,
                         cleanup: Callable[[Any], None] | None = None) -> Any:
@@ -333,6 +362,10 @@ class TrioServices(LoopServices):
 
     def report(self, message: str, exc: BaseException) -> None:
         log.error("%s", message, exc_info=exc)
+
+
+def _nothing() -> None:
+    pass
 
 
 def current_services() -> LoopServices:

@@ -278,6 +278,22 @@ long ukv_check_blocks(const int64_t *v, unsigned n, int64_t limit, uint64_t *see
     return bad;
 }
 
+/* -1 when the bit of every v[i] is set in `bits`; else the first position whose bit is clear
+ * (the stored-blocks check of a load: one pass, no Python per block). */
+long ukv_first_unset(const int64_t *v, unsigned n, const uint64_t *bits) {
+    for (unsigned i = 0; i < n; i++)
+        if (!(bits[v[i] >> 6] & (1ULL << (v[i] & 63)))) return (long)i;
+    return -1;
+}
+
+/* Set (value != 0) or clear the bit of each v[i]. */
+void ukv_mark(const int64_t *v, unsigned n, uint64_t *bits, int value) {
+    for (unsigned i = 0; i < n; i++) {
+        uint64_t bit = 1ULL << (v[i] & 63);
+        if (value) bits[v[i] >> 6] |= bit; else bits[v[i] >> 6] &= ~bit;
+    }
+}
+
 /* out[i] = v[i] * factor (the file offsets of blocks). */
 void ukv_scale(const int64_t *v, unsigned n, uint64_t factor, uint64_t *out) {
     for (unsigned i = 0; i < n; i++) out[i] = (uint64_t)v[i] * factor;

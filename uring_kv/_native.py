@@ -267,6 +267,17 @@ class NativePump:
                                        ffi.new("uint64_t[]", addrs), ffi.new("int32_t[]", buf_indices)),
                "io_uring_submit (pump)")
 
+    def keep_only(self, positions: Sequence[int]) -> None:
+        """Before any block started: carry only the blocks at ``positions`` (ascending), which
+        become positions 0, 1, ... (of :meth:`failures` too)."""
+        p = self._p
+        if p.next:
+            raise RuntimeError("keep_only() after a block started")
+        offsets, cache_blocks = self._keep[0], self._keep[1]
+        for new, old in enumerate(positions):
+            offsets[new], cache_blocks[new] = offsets[old], cache_blocks[old]
+        p.nblocks = self.nblocks = len(positions)
+
     def take_released(self) -> list[int]:
         """Pool indices of the slots handed back since the last call."""
         p = self._p
@@ -304,6 +315,17 @@ def check_blocks(array: Any, n: int, limit: int, seen: Any = None) -> int:
 def bitmap(bits: int) -> Any:
     """A zeroed bitmap for :func:`check_blocks`."""
     return ffi.new("uint64_t[]", max(1, (bits + 63) // 64))
+
+
+def first_unset(array: Any, n: int, bits: Any) -> int:
+    """-1 when the bit of each of the ``n`` entries of ``array`` is set in ``bits`` (a
+    :func:`bitmap`); else the first position whose bit is clear."""
+    return int(_lib.ukv_first_unset(array, n, bits))
+
+
+def mark(array: Any, n: int, bits: Any, value: bool) -> None:
+    """Set (or clear) the bit of each of the ``n`` entries of ``array`` in ``bits``."""
+    _lib.ukv_mark(array, n, bits, int(value))
 
 
 def scaled(array: Any, n: int, factor: int) -> Any:
