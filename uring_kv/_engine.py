@@ -16,7 +16,8 @@ import operator
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -36,6 +37,7 @@ from uring_kv._native import (
     bitmap,
     block_array,
     check_blocks,
+    copy_blocks,
     first_unset,
     mark,
 )
@@ -101,6 +103,9 @@ class _Pumped:
 
 
 START_HOP = True  # a pumped batch yields the loop between set-up and hand-over (_drive_pumped); False: A/B only
+# Most blocks of one call checked or registered per loop callback (a few hundred µs of Python at
+# most); a larger call is admitted over several loop turns (see Engine._admit).
+ADMIT_BLOCKS = 512
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
 # Largest block whose pumped reads and writes go without IOSQE_ASYNC on a buffered file: a page-cache
 # hit is then copied inside io_uring_enter on the loop thread (a few µs at this size).
@@ -138,14 +143,29 @@ class TransferHandle:
         return self._svc.wait(self._batch.done).__await__()
 
 
-def _block_indices(values: Iterable[Any], what: str, limit: int) -> tuple[list[int], Any]:
-    """The entries as a list and as a C int64 array, each checked to be an integer in [0, limit)."""
+def _block_indices(values: Iterable[Any], what: str, limit: int) -> Generator[None, None, tuple[list[int], Any]]:
+    """The entries as a list and as a C int64 array, each checked to be an integer in [0, limit);
+    ADMIT_BLOCKS entries per step."""
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}")
     try:
         items = list(values.tolist() if hasattr(values, "tolist") else values)
     except TypeError:
         raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}") from None
+    n = len(items)
+    if n <= ADMIT_BLOCKS:
+        return _checked_indices(items, what, limit, 0)
+    out, array = [], block_array(n)
+    for lo in range(0, n, ADMIT_BLOCKS):
+        yield
+        checked, piece = _checked_indices(items[lo:lo + ADMIT_BLOCKS], what, limit, lo)
+        out += checked
+        copy_blocks(array, lo, piece, len(checked))
+    return out, array
+
+
+def _checked_indices(items: list[Any], what: str, limit: int, start: int) -> tuple[list[int], Any]:
+    """``items`` (entries ``start``... of ``what``) as a list of ints and a C int64 array."""
     # The common case (plain ints) is converted and range-checked in C; anything else goes through
     # the loop below, which names the first bad entry.
     if set(map(type, items)) <= {int}:
@@ -154,7 +174,7 @@ def _block_indices(values: Iterable[Any], what: str, limit: int) -> tuple[list[i
             if check_blocks(array, len(items), limit) < 0:
                 return items, array
     out = []
-    for position, value in enumerate(items):
+    for position, value in enumerate(items, start):
         if isinstance(value, bool):
             raise TypeError(f"{what}[{position}] is a bool, not a block index")
         try:
@@ -287,6 +307,7 @@ class Engine:
         self._last_store: dict[int, Any] = {}  # disk block → phase_done of its latest store
         self._loads_reading: dict[int, list[Any]] = {}  # disk block → phase_done of reads in flight
         self._batch_reads: dict[Any, set[int]] = {}  # phase_done of a pumped load → the blocks it reads
+        self._admitting: deque[Any] = deque()  # futures: the calls being admitted, in call order
         self._invalid: dict[int, int] = {}  # disk block → errno of its last store, which failed
         self._flush_scheduled = False
         self._ready_batches: list[_Batch] = []
@@ -564,7 +585,7 @@ class Engine:
         If cancelled, no further block is started, and the call returns (raising CancelledError)
         only once the blocks already started have finished: after it, the engine no longer touches
         ``gpu_blocks``."""
-        batch, blocks = self._load_batch(disk_blocks, gpu_blocks, after)
+        batch, blocks = await self._admit(Kind.LOAD, disk_blocks, gpu_blocks, after, True)
         await self._run(batch, blocks, wait=True)
 
     async def store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int], after: Any = None) -> None:
@@ -576,7 +597,7 @@ class Engine:
 
         Cancellation works as for :meth:`load_batch`: the blocks already started are written (their
         GPU bytes were already copied out) before the CancelledError propagates."""
-        batch, blocks = self._store_batch(gpu_blocks, disk_blocks, after)
+        batch, blocks = await self._admit(Kind.STORE, disk_blocks, gpu_blocks, after, True)
         await self._run(batch, blocks, wait=True)
 
     async def load_batch_async(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
@@ -584,54 +605,97 @@ class Engine:
         """Like :meth:`load_batch` but returns once every copy is enqueued (see :class:`TransferHandle`)."""
         # In GPU mode not in a pump: a pumped batch is enqueued only once it is complete, and this
         # form exists to return as soon as the copies are on their stream.
-        return await self._run(*self._load_batch(disk_blocks, gpu_blocks, after, pump=not self.gpu), wait=False)
-
-    def _load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
-                    after: Any, pump: bool = True) -> tuple[_Batch, list[_Block] | _Pumped]:
-        args = self._validate(disk_blocks, gpu_blocks, after, Kind.LOAD)
-        disk, gpu, after = args.disk, args.gpu, args.after
-        if pump and self._pumped_batches and disk:
-            run = self._pumped(Kind.LOAD, args)
-            if run is not None:
-                return run.batch, run
-        batch = self._new_batch(Kind.LOAD, after, len(disk))
-        blocks = []
-        for d, g in zip(disk, gpu, strict=True):
-            store = self._last_store.get(d)
-            block = _Block(d, g, batch, [store] if store is not None else [], self._svc.create_future())
-            self._loads_reading.setdefault(d, []).append(block.phase_done)
-            blocks.append(block)
-        return batch, blocks
+        return await self._run(*await self._admit(Kind.LOAD, disk_blocks, gpu_blocks, after, not self.gpu),
+                               wait=False)
 
     async def store_batch_async(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
                                 after: Any = None) -> TransferHandle:
         """Like :meth:`store_batch` but returns once every D2H copy is enqueued; awaiting the handle
         waits for the writes."""
-        return await self._run(*self._store_batch(gpu_blocks, disk_blocks, after, pump=not self.gpu), wait=False)
+        return await self._run(*await self._admit(Kind.STORE, disk_blocks, gpu_blocks, after, not self.gpu),
+                               wait=False)
 
-    def _store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
-                     after: Any, pump: bool = True) -> tuple[_Batch, list[_Block] | _Pumped]:
-        args = self._validate(disk_blocks, gpu_blocks, after, Kind.STORE)
-        disk, gpu, after = args.disk, args.gpu, args.after
-        if pump and self._pumped_batches and disk:
-            run = self._pumped(Kind.STORE, args)
+    # ----------------------------------------------------------------- admission
+    # A call's hazards are registered in call order, all of them before any later call's: a load
+    # sees exactly the stores called before it. A batch of more than ADMIT_BLOCKS blocks is checked
+    # and registered ADMIT_BLOCKS at a time, one piece per loop turn, so no single callback does
+    # Python work for a whole huge batch; calls made meanwhile queue behind it (``_admitting``).
+    async def _admit(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any,
+                     pump: bool) -> tuple[_Batch, list[_Block] | _Pumped]:
+        if self._state == "new":  # not opened: there is no loop to compare with yet
+            raise EngineClosedError("engine is new")
+        if not self._svc.is_current():  # before anything is taken: a slot, a hazard, a turn
+            raise RuntimeError(self._foreign("load_batch()" if kind is Kind.LOAD else "store_batch()"))
+        steps = self._admission(kind, disk_blocks, gpu_blocks, after, pump)
+        queue, turn = self._admitting, None
+        if queue:  # earlier calls are still being admitted: wait for them, in order
+            turn = self._svc.create_future()
+            queue.append(turn)
+            try:
+                while queue[0] is not turn:
+                    await self._svc.wait(queue[0])
+            except BaseException:
+                self._end_turn(turn)
+                raise
+        try:
+            next(steps)  # the common case: a small batch is admitted in this one step
+        except StopIteration as stop:
+            self._end_turn(turn)
+            return stop.value  # type: ignore[no-any-return]
+        except BaseException:
+            self._end_turn(turn)
+            raise
+        if turn is None:
+            turn = self._svc.create_future()
+            queue.appendleft(turn)
+        try:
+            return await self._svc.run_steps(steps)
+        finally:
+            self._end_turn(turn)
+
+    def _end_turn(self, turn: Any) -> None:
+        if turn is not None:
+            self._admitting.remove(turn)
+            turn.set_result(None)
+
+    def _admission(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any,
+                   pump: bool) -> Generator[None, None, tuple[_Batch, list[_Block] | _Pumped]]:
+        """Check the call, then register its hazards (yielding between pieces of a large batch)."""
+        args = yield from self._validate(disk_blocks, gpu_blocks, after, kind)
+        if self._state != "open":  # closed while a large call was being checked
+            raise EngineClosedError(f"engine is {self._state}")
+        if pump and self._pumped_batches and args.disk:
+            run = yield from self._pumped(kind, args)
             if run is not None:
                 return run.batch, run
-        batch = self._new_batch(Kind.STORE, after, len(disk))
-        blocks = []
-        batch_reads = self._batch_reads
-        for d, g in zip(disk, gpu, strict=True):
-            deps = list(self._loads_reading.get(d, ()))
-            if batch_reads:
-                deps.extend(fut for fut, reads in batch_reads.items() if d in reads)
-            if (store := self._last_store.get(d)) is not None:
-                deps.append(store)
-            block = _Block(d, g, batch, deps, self._svc.create_future())
-            self._last_store[d] = block.phase_done
-            blocks.append(block)
+        disk, gpu, n = args.disk, args.gpu, len(args.disk)
+        batch = self._new_batch(kind, args.after, n)
+        blocks: list[_Block] = []
+        last_store, reading, create = self._last_store, self._loads_reading, self._svc.create_future
+        for lo in range(0, n, ADMIT_BLOCKS):
+            if lo:
+                yield
+            hi = lo + ADMIT_BLOCKS
+            if kind is Kind.LOAD:
+                for d, g in zip(disk[lo:hi], gpu[lo:hi], strict=True):
+                    store = last_store.get(d)
+                    block = _Block(d, g, batch, [store] if store is not None else [], create())
+                    reading.setdefault(d, []).append(block.phase_done)
+                    blocks.append(block)
+            else:
+                batch_reads = self._batch_reads
+                for d, g in zip(disk[lo:hi], gpu[lo:hi], strict=True):
+                    deps = list(reading.get(d, ()))
+                    if batch_reads:
+                        deps.extend(fut for fut, reads in batch_reads.items() if d in reads)
+                    if (store := last_store.get(d)) is not None:
+                        deps.append(store)
+                    block = _Block(d, g, batch, deps, create())
+                    last_store[d] = block.phase_done
+                    blocks.append(block)
         return batch, blocks
 
-    def _pumped(self, kind: Kind, args: _Args) -> _Pumped | None:
+    def _pumped(self, kind: Kind, args: _Args) -> Generator[None, None, _Pumped | None]:
         """A batch for a native pump, its hazards registered per batch; None when no pump is free."""
         assert isinstance(self.io, UringBackend)
         holder: list[_Pumped] = []
@@ -646,26 +710,33 @@ class Engine:
         phase_done = self._svc.create_future()
         deps: dict[int, Any] = {}
         last_store, reading = self._last_store, self._loads_reading
+        batch = self._new_batch(kind, args.after, len(disk))
+        self._pumped_count += 1
+        # One entry for the whole batch: a store looks for its blocks in each pumped load's set.
+        reads: set[int] = set()
         if kind is Kind.LOAD:
-            if last_store:  # some store is in flight
-                for d in disk:
+            self._batch_reads[phase_done] = reads
+        for lo in range(0, n, ADMIT_BLOCKS):
+            if lo:
+                yield
+            piece = disk[lo:lo + ADMIT_BLOCKS]
+            if kind is Kind.LOAD:
+                if last_store:  # some store is in flight
+                    for d in piece:
+                        if (store := last_store.get(d)) is not None:
+                            deps[id(store)] = store
+                reads.update(piece)
+            else:
+                for d in piece:
+                    for fut in reading.get(d, ()):
+                        deps[id(fut)] = fut
                     if (store := last_store.get(d)) is not None:
                         deps[id(store)] = store
-            # One entry for the whole batch: a store looks for its blocks in each pumped load's set.
-            self._batch_reads[phase_done] = set(disk)
-        else:
-            for d in disk:
-                for fut in reading.get(d, ()):
-                    deps[id(fut)] = fut
-                if (store := last_store.get(d)) is not None:
-                    deps[id(store)] = store
-                last_store[d] = phase_done
-            for fut, reads in self._batch_reads.items():
-                if not reads.isdisjoint(disk):
-                    deps[id(fut)] = fut
-        run = _Pumped(self._new_batch(kind, args.after, len(disk)), disk, list(deps.values()), phase_done, pump,
-                      args.disk_c)
-        self._pumped_count += 1
+                    last_store[d] = phase_done
+                for fut, batch_reads in self._batch_reads.items():
+                    if not batch_reads.isdisjoint(piece):
+                        deps[id(fut)] = fut
+        run = _Pumped(batch, disk, list(deps.values()), phase_done, pump, args.disk_c)
         holder.append(run)
         return run
 
@@ -682,7 +753,8 @@ class Engine:
                 if not dep.done():
                     await self._svc.wait(dep)
             if kind is Kind.LOAD and first_unset(run.disk_c, len(run.disk), self._stored) >= 0:
-                self._drop_unstored(run)  # checked now: the stores it waited for may have failed
+                # checked now: the stores it waited for may have failed
+                await self._svc.run_steps(self._drop_unstored(run))
             while pump.started < pump.nblocks:
                 if pump.slots == 0:
                     waited = time.monotonic()
@@ -703,12 +775,14 @@ class Engine:
         await self._svc.wait(batch.enqueued)
         return TransferHandle(batch, batch.last_event, self._svc)
 
-    def _drop_unstored(self, run: _Pumped) -> None:
+    def _drop_unstored(self, run: _Pumped) -> Generator[None, None, None]:
         """Before its first block starts: fail the blocks of a pumped load that hold no stored
         bytes (never stored, or their last store failed), and leave the pump the others."""
         stored, failures = self._stored, run.batch.failures
         keep = []
         for position, d in enumerate(run.disk):
+            if position and not position % ADMIT_BLOCKS:
+                yield
             if stored[d >> 6] >> (d & 63) & 1:
                 keep.append(position)
             else:
@@ -758,11 +832,11 @@ class Engine:
         batch.failures.update(failures)
         batch.skipped = len(disk) - started
         if batch.kind is Kind.STORE:
-            invalid = self._invalid
-            if invalid:
-                for d in disk[:started]:
-                    invalid.pop(d, None)
-            mark(run.disk_c, started, self._stored, True)
+            stored = self._stored
+            mark(run.disk_c, started, stored, True)
+            if invalid := self._invalid:  # its entries hold for blocks whose bit is clear: drop the rest
+                for d in [d for d in invalid if stored[d >> 6] >> (d & 63) & 1]:
+                    del invalid[d]
             for d in failures:  # a failed write leaves no bytes to trust
                 self._unstore(d, failures[d])
         pending = [dep for dep in run.deps if not dep.done()]
@@ -784,7 +858,15 @@ class Engine:
         if run.batch.kind is Kind.LOAD:
             del self._batch_reads[run.phase_done]
         else:
-            self._hazards_cleared(Kind.STORE, run.disk, run.phase_done)
+            self._stores_cleared(run.disk, run.phase_done, 0)
+
+    def _stores_cleared(self, disk: list[int], fut: Any, start: int) -> None:
+        """Drop ``fut`` (done), the write of a pumped store, from ``_last_store``, ADMIT_BLOCKS entries
+        per loop callback: until then a call finds it done, which costs it nothing."""
+        end = start + ADMIT_BLOCKS
+        self._hazards_cleared(Kind.STORE, disk[start:end], fut)
+        if end < len(disk):
+            self._svc.call_soon(self._stores_cleared, disk, fut, end)
 
     async def _run(self, batch: _Batch, blocks: list[_Block] | _Pumped, wait: bool) -> TransferHandle:
         try:
@@ -803,13 +885,11 @@ class Engine:
             raise
 
     # ----------------------------------------------------------------- internals
-    def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> _Args:
+    def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> Generator[None, None, _Args]:
         if self._state != "open":
             raise EngineClosedError(f"engine is {self._state}")
-        if not self._svc.is_current():  # before anything is taken: a slot, a hazard, a pump
-            raise RuntimeError(self._foreign("load_batch()" if kind is Kind.LOAD else "store_batch()"))
-        disk, disk_c = _block_indices(disk_blocks, "disk_blocks", self.num_disk_blocks)
-        gpu, gpu_c = _block_indices(gpu_blocks, "gpu_blocks", self.num_gpu_blocks)
+        disk, disk_c = yield from _block_indices(disk_blocks, "disk_blocks", self.num_disk_blocks)
+        gpu, gpu_c = yield from _block_indices(gpu_blocks, "gpu_blocks", self.num_gpu_blocks)
         if len(disk) != len(gpu):
             raise ValueError(f"disk_blocks has {len(disk)} entries but gpu_blocks has {len(gpu)}")
         if (dup := check_blocks(gpu_c, len(gpu), self.num_gpu_blocks, self._seen_gpu)) >= 0:
@@ -867,22 +947,31 @@ class Engine:
                     self._metrics[batch.kind].slot_wait_s.observe(0.0, len(group) - 1)
                 self._start(batch, group)
         finally:
-            for block in blocks[started:]:  # never started: unblock whoever waits on them, but
-                pending = [dep for dep in block.deps if not dep.done()]  # only once its own hazards
-                if pending:  # cleared: a later load may rely on this store waiting for the one before
-                    self._svc.when_all(pending, _bind(self._phase_finished, block))
-                else:
-                    self._phase_finished(block)
-                if block.lease is not None:
-                    self.pool.release_unused(block.lease)
-                    block.lease = None
-                batch.remaining -= 1
-                batch.to_enqueue -= 1
-                batch.skipped += 1
             if started < len(blocks):
-                self._check_batch(batch)
+                self._skip(batch, blocks, started)
         await self._svc.wait(batch.enqueued)
         return TransferHandle(batch, batch.last_event, self._svc)
+
+    def _skip(self, batch: _Batch, blocks: list[_Block], start: int) -> None:
+        """``blocks[start:]`` will never start (the batch was cancelled): unblock whoever waits on
+        them, ADMIT_BLOCKS per loop callback, then finish the batch."""
+        end = start + ADMIT_BLOCKS
+        for block in blocks[start:end]:  # each only once its own hazards cleared: a later load may
+            pending = [dep for dep in block.deps if not dep.done()]  # rely on this store waiting
+            if pending:  # for the one before
+                self._svc.when_all(pending, _bind(self._phase_finished, block))
+            else:
+                self._phase_finished(block)
+            if block.lease is not None:
+                self.pool.release_unused(block.lease)
+                block.lease = None
+            batch.remaining -= 1
+            batch.to_enqueue -= 1
+            batch.skipped += 1
+        if end < len(blocks):
+            self._svc.call_soon(self._skip, batch, blocks, end)
+        else:
+            self._check_batch(batch)
 
     def _start(self, batch: _Batch, group: list[_Block]) -> None:
         if batch.kind is Kind.LOAD:

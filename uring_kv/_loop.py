@@ -25,10 +25,11 @@ import contextlib
 import logging
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Generator, Sequence
+from typing import Any, TypeVar
 
 log = logging.getLogger("uring_kv")
+T = TypeVar("T")
 
 HOP_TURNS = 3  # loop turns in yield_to_io: the I/O's callback, then the task it woke, then the caller
 
@@ -64,6 +65,13 @@ class LoopServices(ABC):
     async def run_to_completion(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run ``coro`` to its end even if the caller is cancelled meanwhile; then re-raise the
         cancellation (for clean-up that must not stop half way, like closing the engine)."""
+
+    @abstractmethod
+    async def run_steps(self, steps: Generator[None, None, T]) -> T:
+        """Run ``steps`` to its end, one step per loop turn (each ``yield`` gives the loop a turn),
+        and return its value. A cancellation arriving meanwhile is held until the steps are done,
+        then delivered at the caller's next checkpoint: what the steps set up is never left half
+        made (the admission of a large batch)."""
 
     @abstractmethod
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...
@@ -147,6 +155,25 @@ class AsyncioServices(LoopServices):
         except asyncio.CancelledError:
             await self.wait_through_cancellation(task)
             raise
+
+    async def run_steps(self, steps: Generator[None, None, T]) -> T:
+        held: asyncio.CancelledError | None = None
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError as exc:
+                    held = exc
+        finally:
+            if held is not None:  # deliver it again, with its message (a cancel scope's mark) and
+                task = asyncio.current_task()  # the task's cancel count as it was (asyncio.timeout)
+                assert task is not None
+                task.uncancel()
+                task.cancel(held.args[0] if held.args else None)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         self.loop.call_soon(fn, *args)
@@ -302,6 +329,17 @@ class TrioServices(LoopServices):
             fn(*args)
         except Exception as exc:  # an exception escaping run_sync_soon would crash the whole run
             self.report("uring_kv callback failed", exc)
+
+    async def run_steps(self, steps: Generator[None, None, T]) -> T:
+        # Shielded: a cancellation of the caller's scope reaches it at its next checkpoint after this.
+        with self._trio.CancelScope(shield=True):
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+                await self._trio.lowlevel.checkpoint()
+        raise AssertionError("unreachable")  # a shielded scope does not swallow a return
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         self._token.run_sync_soon(self._guarded, fn, args)

@@ -301,9 +301,15 @@ def u64_array(values: Sequence[int]) -> Any:
     return ffi.new("uint64_t[]", values)
 
 
-def block_array(values: list[int]) -> Any:
-    """``values`` as a C int64 array (TypeError for a non-integer, OverflowError beyond int64)."""
+def block_array(values: list[int] | int) -> Any:
+    """``values`` as a C int64 array (TypeError for a non-integer, OverflowError beyond int64);
+    given a count, a zeroed array of that many."""
     return ffi.new("int64_t[]", values)
+
+
+def copy_blocks(array: Any, start: int, piece: Any, n: int) -> None:
+    """Copy the ``n`` entries of the C int64 array ``piece`` into ``array`` from ``start`` on."""
+    ffi.memmove(array + start, piece, 8 * n)
 
 
 def check_blocks(array: Any, n: int, limit: int, seen: Any = None) -> int:
