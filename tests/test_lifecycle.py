@@ -307,7 +307,7 @@ async def test_without_o_tmpfile_the_file_is_unlinked_at_creation(tmp_path: Path
     monkeypatch.setattr(os, "open", no_tmpfile)
     caches = id_caches("cpu", blocks=4)
     async with Engine(caches, tmp_path / "kv.bin", 4, num_slots=1) as engine:
-        assert engine.file.naming.startswith("unlinked at creation")
+        assert engine.stats()["file"].startswith("unlinked at creation")
         assert os.listdir(tmp_path) == []
         assert os.fstat(engine.file.fd).st_nlink == 0
         assert os.fstat(engine.file.fd).st_mode & 0o777 == 0o600
@@ -322,4 +322,5 @@ async def test_the_file_is_private_and_nameless(tmp_path: Path) -> None:
         st = os.fstat(engine.file.fd)
         assert st.st_nlink == 0 and st.st_mode & 0o777 == 0o600
         assert os.listdir(tmp_path) == []
+        assert engine.stats()["file"] == "unnamed (O_TMPFILE)"
 

@@ -559,7 +559,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The gauges of :meth:`metrics`, the number of active batches, how many batches ran in
-        native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, fixed buffers,
+        native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
+        kept unnamed, fixed buffers,
         pinned bytes, event loop."""
         return {
             **self._gauges(),
@@ -568,6 +569,7 @@ class Engine:
             "io": self.io.description,
             "copy": self.copier.description,
             "direct": self.file.direct,
+            "file": self.file.naming,
             "fixed_buffers": self.io.fixed_buffers,
             "pinned_bytes": self.pool.slab.size,
             "io_depth": self.io_depth,
