@@ -28,6 +28,8 @@ class FaultState:
         self.bad_writes: list[tuple[int, int]] = []
         self.slow_reads: list[tuple[int, int, float]] = []  # (start, end, seconds)
         self.slow_writes: list[tuple[int, int, float]] = []
+        self.once_reads: list[list[Any]] = []  # [start, end, seconds, requests left]
+        self.once_writes: list[list[Any]] = []
 
     def fail_reads(self, start: int, length: int) -> None:
         with self._mutex:
@@ -47,16 +49,29 @@ class FaultState:
             if writes:
                 self.slow_writes.append((start, start + length, delay))
 
+    def slow_next(self, start: int, length: int, delay: float, reads: bool = True, count: int = 1) -> None:
+        """Only the next ``count`` reads (or writes) touching the range take ``delay`` seconds: of
+        several requests for the same bytes, the first is slow and the later ones are not."""
+        with self._mutex:
+            (self.once_reads if reads else self.once_writes).append([start, start + length, delay, count])
+
     def clear(self) -> None:
         with self._mutex:
             self.bad_reads.clear()
             self.bad_writes.clear()
             self.slow_reads.clear()
             self.slow_writes.clear()
+            self.once_reads.clear()
+            self.once_writes.clear()
 
-    def pause(self, ranges: list[tuple[int, int, float]], offset: int, size: int) -> None:
+    def pause(self, ranges: list[tuple[int, int, float]], offset: int, size: int,
+              once: list[list[Any]] | None = None) -> None:
         with self._mutex:
             delays = [delay for start, end, delay in ranges if offset < end and start < offset + size]
+            for entry in once or ():
+                if entry[3] > 0 and offset < entry[1] and entry[0] < offset + size:
+                    entry[3] -= 1
+                    delays.append(entry[2])
         if delays:
             time.sleep(max(delays))
 
@@ -100,14 +115,14 @@ def _operations(state: FaultState) -> Any:
             return 0
 
         def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
-            state.pause(state.slow_reads, offset, size)
+            state.pause(state.slow_reads, offset, size, state.once_reads)
             if state.hits(state.bad_reads, offset, size):
                 raise mfusepy.FuseOSError(errno.EIO)
             with self._mutex:
                 return bytes(self.files[path][offset:offset + size])
 
         def write(self, path: str, data: bytes, offset: int, fh: Any) -> int:
-            state.pause(state.slow_writes, offset, len(data))
+            state.pause(state.slow_writes, offset, len(data), state.once_writes)
             if state.hits(state.bad_writes, offset, len(data)):
                 raise mfusepy.FuseOSError(errno.EIO)
             with self._mutex:
@@ -149,8 +164,9 @@ def _operations(state: FaultState) -> Any:
 
 
 @contextmanager
-def mounted(mountpoint: Path) -> Iterator[FaultState]:
-    """Mount the fault filesystem at ``mountpoint`` for the duration of the block."""
+def mounted(mountpoint: Path, watchdog_seconds: float = WATCHDOG_SECONDS) -> Iterator[FaultState]:
+    """Mount the fault filesystem at ``mountpoint`` for the duration of the block (aborted after
+    ``watchdog_seconds``: a test's safety net; long runs pass more)."""
     import mfusepy
 
     state = FaultState()
@@ -172,7 +188,7 @@ def mounted(mountpoint: Path) -> Iterator[FaultState]:
         time.sleep(0.02)
     # A watchdog: should anything wedge on this filesystem, abort the connection so every pending
     # request fails (ENOTCONN) and the test fails instead of hanging in the kernel.
-    watchdog = threading.Timer(WATCHDOG_SECONDS, _abort_connection, [mountpoint])
+    watchdog = threading.Timer(watchdog_seconds, _abort_connection, [mountpoint])
     watchdog.daemon = True
     watchdog.start()
     try:

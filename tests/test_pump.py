@@ -382,6 +382,29 @@ async def test_a_cancelled_pumped_load_stops_starting_blocks(fault_fs: tuple[Pat
         assert identify(caches, 0) == (11, 1, True)
 
 
+async def test_a_put_off_copy_reads_its_slot_before_the_slots_next_read(make_engine: EngineFactory,
+                                                                        copies: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spare slots on a buffered file: a reap submits the refills parked slots can take, then
+    copies the blocks that just completed; only then does each of those slots take its next
+    block. Page-cache reads complete inside the submission, so a slot whose next read went out
+    before its copy would hand the next block's bytes to the cache, on every run. Mutation
+    tried: the slot's next read started in the reap, before its put-off memcpy (every run failed
+    here and in the buffered spare-slot test; the FUSE-backed tests caught it now and then)."""
+    if copies != "memcpy":
+        pytest.skip("copier pumps copy on the copier's thread: no copy is put off")
+    caches = id_caches("cpu", blocks=96)
+    async with make_engine(caches, 64, direct=False, **slot_layout("spare", monkeypatch, 4)) as engine:
+        await store_identity(engine, caches, 64)
+        for tensor in caches.values():
+            tensor.fill_(-1)
+        order = random.Random(9).sample(range(64), 64)
+        for _ in range(3):
+            await engine.load_batch(order, list(range(32, 96)))
+            assert [identify(caches, g) for g in range(32, 96)] == [(d, 1, True) for d in order]
+        assert engine.io._ring.copied_late > 0  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("layout", ["depth", "spare"])
 async def test_a_pump_hands_its_slots_to_a_waiting_batch(fault_fs: tuple[Path, FaultState],
                                                          make_engine: EngineFactory, layout: str, copies: str,

@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--io", default="uring", choices=["uring", "threads"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as d, mounted(Path(d)) as state:
+    with tempfile.TemporaryDirectory() as d, mounted(Path(d), watchdog_seconds=24 * 3600) as state:
 
         def faults(engine: Any, rng: random.Random) -> None:
             state.clear()
