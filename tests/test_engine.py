@@ -96,9 +96,9 @@ async def mixed_workload(engine: Engine, caches: dict[str, torch.Tensor], worker
                          disk_blocks: int, batch: int, seed: int) -> tuple[int, int]:
     """``workers`` coroutines mixing loads and stores; every loaded block is checked.
 
-    Each worker owns its own GPU blocks. Versions are given at call time, so a load must see at
-    least the version of the last store *called* before it (the hazard rule) and at most the
-    newest version called before it returned. Returns (blocks checked, problems)."""
+    Each worker owns its own GPU blocks. Versions are given at call time, so a load must see
+    exactly the version of the last store *called* before it: it waits for that store, and a
+    store called after it waits for its read. Returns (blocks checked, problems)."""
     called: dict[int, int] = defaultdict(int)  # newest version called per disk block
     checked = problems = 0
     device = str(next(iter(caches.values())).device)
@@ -122,7 +122,7 @@ async def mixed_workload(engine: Engine, caches: dict[str, torch.Tensor], worker
                 for gpu_block, disk_block in zip(own, chosen, strict=True):
                     checked += 1
                     found, version, intact = identify(caches, gpu_block)
-                    if not (found == disk_block and intact and floor[disk_block] <= version <= called[disk_block]):
+                    if not (found == disk_block and intact and version == floor[disk_block]):
                         problems += 1
 
     # Every disk block holds version 1 first: loading a block never stored is an error (ENODATA).
