@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +18,7 @@ import pytest
 import torch
 
 from uring_kv import Engine
-from uring_kv._bench import BenchConfig, Workload, spare_slots
+from uring_kv._bench import BenchConfig, Workload, staging_slots
 from uring_kv.cli import main
 
 
@@ -21,33 +26,41 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     out = tmp_path / "bench.json"
     plot = tmp_path / "bench.png"
     code = main(["bench", "--path", str(tmp_path), "--size", "4M", "--block-size", "64K", "--layers", "4",
-                 "--batch", "16", "--batches", "2", "--slots", "4", "--spare-slots", "2", "--threads", "2",
-                 "--checksum", "--json", str(out),
-                 "--plot", str(plot)])
+                 "--batch", "16", "--batches", "2", "--io-depth", "4", "--slots", "6", "--threads", "2",
+                 "--checksum", "--json", str(out), "--plot", str(plot)])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["all_verified"] is True
     assert result["config"]["gc_freeze"] is True and result["config"]["warmup"] == 1
     rows = result["rows"]
     seen = {(r["op"], r["case"], r["method"]) for r in rows}
+    fio = shutil.which("fio") is not None
     for case, ops in (("cold", ("load", "store")), ("hot", ("load",))):
         for op in ops:
-            for method in ("uring_kv", "uring_kv+crc32c", "serial", "threads2", "ring ceiling"):
+            for method in ("uring_kv", "uring_kv+crc32c", "vllm-disk", "threads2", "ring ceiling"):
                 assert (op, case, method) in seen
+            assert ((op, case, "fio") in seen) == (fio and case == "cold")
+    kinds = {r["method"]: r["kind"] for r in rows}
+    assert kinds["vllm-disk"] == kinds["threads2"] == "peer" and kinds["ring ceiling"] == "ceiling"
     for row in rows:
         assert row["verified"] is True
         assert row["gbps"] > 0
-        assert row["blocks_per_s"] > 0 or row["method"] == "pcie ceiling"
         assert {"p50_ms", "p99_ms", "cpu_s", "lag_max_ms", "lag_p99_ms", "timer_lag_max_ms"} <= row.keys()
-        if row["method"] != "pcie ceiling":
+        if row["method"] not in ("pcie ceiling", "fio"):
             assert len(row["batch_ms"]) == 2  # --batches 2; the warm-up batch is not counted
     mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
     # (+ "pcie ceiling" on a GPU)
-    assert {"serial", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
+    assert {"vllm-disk", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
+    for method, ratio in mine["ratios"].items():
+        other = next(r for r in rows if r["method"] == method and r["op"] == "load" and r["case"] == mine["case"])
+        assert ratio == pytest.approx(mine["gbps"] / other["gbps"])
     extra = result["extra"][str(64 << 10)]
-    assert extra["pinned_bytes"] == 6 * 64 * 1024  # 4 slots of depth and 2 spare
-    assert extra["io_depth"] == 4 and extra["slots"] == 6 and extra["batches"] == 2
-    assert extra["pumped_batches_cold"] == 0  # checksums need Python per block: no pumps
+    assert extra["cold"]["pinned_bytes"] == 6 * 64 * 1024  # --slots 6
+    assert extra["cold"]["io_depth"] == 4 and extra["cold"]["slots"] == 6 and extra["batches"] == 2
+    assert extra["cold"]["pumped_batches"] == 0  # checksums need Python per block: no pumps
+    assert set(extra["depth_sweep"]) == {"4", "8", "16"}  # JSON keys; none deeper than the batch
+    assert all(rate > 0 for rate in extra["depth_sweep"].values())
+    assert "kvikio" in extra["notes"]  # CPU mode (or not installed): the reason, not a row
     assert all("lag_ms" not in row for row in rows)  # the samples are pooled, not in the JSON
     # every uring_kv row's samples together; the same probe while the ring ceiling ran on a worker thread
     for key, method in (("uring_kv_lag", "uring_kv"), ("idle_loop_lag", "ring ceiling")):
@@ -57,77 +70,259 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
         assert pooled["p50_ms"] <= pooled["p99_ms"] <= pooled["max_ms"], key
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
-    assert "verified: all" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "verified: all" in printed
+    assert "sizing: I/O depth" in printed and "Engine(..., num_slots=" in printed
 
 
-@pytest.mark.parametrize("flag", [["--warmup", "-1"], ["--batches", "0"]])
-def test_bench_refuses_bad_counts(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(["bench", *flag])
-    assert info.value.code == 2
-    assert "must be >=" in capsys.readouterr().err
+def test_bench_output_fits_100_columns_with_the_verdict_first(tmp_path: Path) -> None:
+    """Run as a user would (a separate process, COLUMNS=100, not a terminal): the header and the
+    verdict come first, every line fits 100 columns, no internals (dicts, counters) are printed."""
+    env = {**os.environ, "COLUMNS": "100"}
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "bench", "--path", str(tmp_path), "--size", "4M",
+                           "--block-size", "64K", "--block-size", "128K", "--layers", "4", "--batch", "8",
+                           "--batches", "1", "--io-depth", "4", "--threads", "2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    assert lines[0].startswith("uring-kv bench · ") and lines[1].startswith(f"file in {tmp_path} (")
+    verdict = next(line for line in lines if not line.startswith(("uring-kv bench", "file in", " ")) and
+                   "layers" not in line)
+    assert verdict.startswith("load   64 KiB cold") and "of disk limit" in verdict and "× vLLM DiskBackend" in verdict
+    assert any(line.startswith("store 128 KiB cold") for line in lines)
+    assert "{" not in done.stdout and "pumped_batches" not in done.stdout
+    assert not list(tmp_path.glob("uring-kv-bench-*"))
 
 
-def test_bench_runs_only_the_baselines_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("args, says", [
+    (["--warmup", "-1"], "--warmup: must be >= 0, got -1"),
+    (["--batches", "0"], "--batches: must be >= 1, got 0"),
+    (["--layers", "0"], "--layers: must be >= 1, got 0"),
+    (["--batch", "0"], "--batch: must be >= 1, got 0"),
+    (["--threads", "0"], "--threads: must be >= 1, got 0"),
+    (["--io-depth", "0"], "--io-depth: must be >= 1, got 0"),
+    (["--block-size", "12Q"], "--block-size: expected a size such as 4096, 128K, 2M or 1G, got '12Q'"),
+    (["--size", "0"], "--size: must be at least 1 byte, got '0'"),
+    (["--peers", "serial"], "--peers: expected a comma-separated list of"),
+    (["--block-size", "100000"], "--block-size 100000: does not split into 32 layers of a multiple of 64 bytes"),
+    (["--block-size", "128K", "--layers", "3"], "--block-size 131072: does not split into 3 layers"),
+    (["--device", "cuda"], "--device cuda: CUDA is not available here"),
+    (["--device", "tpu"], "--device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--path", "{missing}"], "--path: {missing} does not exist"),
+    (["--path", "{file}"], "--path: {file} is not a directory"),
+    (["--size", "1T"], "--path: {tmp} has "),
+])
+def test_bench_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    names = {"missing": str(tmp_path / "nowhere"), "file": str(tmp_path / "a-file"), "tmp": str(tmp_path)}
+    (tmp_path / "a-file").write_text("")
+    args = [a.format(**names) for a in args]
+    path = [] if "--path" in args else ["--path", str(tmp_path)]
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "bench", *path, *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    said = done.stderr.strip().splitlines()
+    assert len(said) == 1, done.stderr
+    assert said[0].startswith("uring-kv bench: ") and says.format(**names) in said[0], said[0]
+    if "1T" in args:
+        assert "MiB free, the run needs" in said[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing left behind
+
+
+def test_bench_refuses_a_read_only_path(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a read-only tmpfs")
+    target = tmp_path / "ro"
+    target.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(target)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "bench", "--path", str(target)],
+                              capture_output=True, text=True, timeout=120)
+        said = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(said) == 1
+        assert said[0] == f"uring-kv bench: --path: cannot create a file in {target}: Read-only file system"
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.parametrize("command, args, says", [
+    ("demo", ["--path", "{missing}"], "--path: {missing} does not exist"),
+    ("demo", ["--device", "cuda"], "--device cuda: CUDA is not available here"),
+    ("soak", ["--blocks", "0"], "--blocks: must be >= 1, got 0"),
+    ("soak", ["--slots", "0"], "--slots: must be >= 1, got 0"),
+    ("soak", ["--cancel-rate", "2"], "--cancel-rate: must be between 0 and 1, got 2.0"),
+    ("soak", ["--path", "{missing}"], "--path: {missing} does not exist"),
+    ("soak", ["--device", "cuda"], "--device cuda: CUDA is not available here"),
+])
+def test_demo_and_soak_bad_input_is_one_line_and_exit_2(tmp_path: Path, command: str, args: list[str],
+                                                        says: str) -> None:
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    missing = str(tmp_path / "nowhere")
+    args = [a.format(missing=missing) for a in args]
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", command, *args], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    said = done.stderr.strip().splitlines()
+    assert len(said) == 1 and said[0] == f"uring-kv {command}: {says.format(missing=missing)}", done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_stops_the_bench_cleanly(tmp_path: Path) -> None:
+    """SIGINT while the bench writes its file: 'interrupted' on stderr, exit 130, no traceback,
+    nothing left in the directory."""
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "uring_kv", "bench", "--path", str(tmp_path), "--size", "2G",
+                             "--block-size", "4K", "--layers", "4", "--direct"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # progress lines (stderr is not a terminal)
+        if "writing" in line:
+            break
+    time.sleep(0.5)  # writing its 2 GiB file (unnamed: nothing to see in the directory)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_help_shows_the_defaults() -> None:
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "soak", "--help"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "100"})
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for default in ("(default: 1000000)", "(default: 4)", "(default: 16)", "(default: 0.1)"):
+        assert default in text
+
+
+def test_soak_prints_a_plan_and_progress(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "soak", "--blocks", "20000", "--path",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = done.stderr.splitlines()
+    assert said[0].startswith("soak on cpu: 20000 blocks") and "about" in said[0]
+    steps = [line for line in said if line.startswith("soak: ") and "of 20000 blocks" in line]
+    assert len(steps) >= 5  # every tenth (not a terminal: lines, not a bar)
+    assert "corrupt=0" in done.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_peer_names_are_checked() -> None:
+    from uring_kv._bench import PEERS
+    from uring_kv.cli import _PEER_NAMES, _peers
+
+    assert _PEER_NAMES == PEERS
+    assert _peers("ceiling, vllm-disk") == ("vllm-disk", "ceiling")
+    assert _peers("none") == ()
+    for bad in ("threads8", "serial,pool", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _peers(bad)
+
+
+def test_bench_runs_only_the_peers_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     code = main(["bench", "--path", str(tmp_path), "--size", "2M", "--block-size", "64K", "--layers", "4",
-                 "--batch", "8", "--batches", "1", "--slots", "4", "--direct", "--baselines", "ceiling",
-                 "--json", str(out)])
+                 "--batch", "8", "--batches", "1", "--io-depth", "4", "--direct", "--peers", "ceiling",
+                 "--no-sweep", "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv", "ring ceiling"}
     mine = [r for r in result["rows"] if r["method"] == "uring_kv"]
     assert mine and all(set(r["ratios"]) <= {"ring ceiling", "pcie ceiling"} for r in mine)
     assert result["all_verified"] is True and result["idle_loop_lag"]["samples"] > 0
-    assert "while idle" in capsys.readouterr().out
+    assert "depth_sweep" not in result["extra"][str(64 << 10)]
+    assert "sizing:" not in capsys.readouterr().out
     code = main(["bench", "--path", str(tmp_path), "--size", "2M", "--block-size", "64K", "--layers", "4",
-                 "--batch", "8", "--batches", "1", "--slots", "4", "--direct", "--baselines", "none",
+                 "--batch", "8", "--batches", "1", "--io-depth", "4", "--direct", "--peers", "none",
                  "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv"}
     assert result["idle_loop_lag"]["samples"] == 0
-    assert "while idle" not in capsys.readouterr().out  # no ceiling rows, no idle-loop line
 
 
-def test_baseline_names_are_checked() -> None:
-    from uring_kv._bench import BASELINES
-    from uring_kv.cli import _BASELINE_NAMES, _baselines
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("peer", ["vllm-disk", "threads"])
+def test_each_peer_moves_the_right_bytes(tmp_path: Path, peer: str, store: bool) -> None:
+    """A peer on its own, checked the bench's way: loads land each disk block's words in the
+    right cache rows; stores put each cache row's words at the right place in the file."""
+    from uring_kv import _peers
+    from uring_kv._bench import _prefill, _verify_file
 
-    assert _BASELINE_NAMES == BASELINES
-    assert _baselines("ceiling, serial") == ("serial", "ceiling")
-    assert _baselines("none") == ()
-    for bad in ("threads8", "serial,pool", ""):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _baselines(bad)
+    config = BenchConfig(size=1 << 20, layers=4, batch=8, batches=1)
+    work = Workload(config, 16 << 10, torch.device("cpu"))
+
+    async def run() -> bool:
+        async with Engine(work.caches, tmp_path / "kv.bin", work.num_disk_blocks, 4) as engine:
+            await _prefill(engine, work)
+            fd, stride = engine.file.fd, engine.file.stride
+            method = (_peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride) if peer == "vllm-disk"
+                      else _peers.ThreadPool(work.caches, work.per_layer, work.device, fd, stride, 3))
+            try:
+                disk, gpu = [9, 3, 40, 7, 12, 60, 1, 33], [5, 0, 7, 2, 6, 1, 3, 4]
+                if store:
+                    work.fill_gpu_as(disk[::-1], gpu)  # the file's blocks get other blocks' words...
+                    method.run(True, disk, gpu)
+                    assert not await _verify_file(fd, stride, work, disk)
+                    work.fill_gpu_as(disk, gpu)  # ...then their own back
+                    method.run(True, disk, gpu)
+                    return await _verify_file(fd, stride, work, disk)
+                work.scrub()
+                method.run(False, disk, gpu)
+                return work.verify(disk, gpu)
+            finally:
+                method.close()
+
+    assert asyncio.run(run())
 
 
-def test_spare_slots_default_to_half_the_depth_where_copies_are_copier_jobs() -> None:
+def test_kvikio_row_says_why_it_is_missing() -> None:
+    from uring_kv._peers import kvikio_problem
+
+    assert kvikio_problem(torch.device("cpu")) == "needs CUDA (KvikIO reads into GPU memory)"
+    if torch.cuda.is_available():
+        try:
+            import kvikio  # noqa: F401
+        except ImportError:
+            assert kvikio_problem(torch.device("cuda")) == "not installed (pip install uring-kv[peers])"
+
+
+def test_staging_slots_default_to_half_the_depth_again_where_copies_are_copier_jobs() -> None:
     """GPU mode, and CPU mode once the slots hold over 1 MiB (its copies are then copier jobs),
     hide each slot's copy turnaround behind spare slots; smaller CPU set-ups keep their inline
     pumps, with spare slots for O_DIRECT up to the depth while all slots stay within 1 MiB (a reap
     refills through them before it copies), none for buffered files (read straight into the
     caches). An explicit count always wins."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert spare_slots(BenchConfig(slots=32), cuda, 4 << 10) == 16
-    assert spare_slots(BenchConfig(slots=32), cpu, 128 << 10) == 16
-    assert spare_slots(BenchConfig(slots=32), cpu, 32 << 10) == 0  # 1 MiB: still inline, no room
-    assert spare_slots(BenchConfig(slots=32), cpu, 16 << 10) == 32
-    assert spare_slots(BenchConfig(slots=32), cpu, 16 << 10, direct=False) == 0
-    assert spare_slots(BenchConfig(slots=32), cpu, 24 << 10) == 10  # 42 × 24 KiB ≤ 1 MiB
-    assert spare_slots(BenchConfig(slots=32, spare_slots=0), cuda, 2 << 20) == 0
-    assert spare_slots(BenchConfig(slots=8, spare_slots=3), cpu, 4 << 10) == 3
+    assert staging_slots(BenchConfig(io_depth=32), cuda, 4 << 10) == 48
+    assert staging_slots(BenchConfig(io_depth=32), cpu, 128 << 10) == 48
+    assert staging_slots(BenchConfig(io_depth=32), cpu, 32 << 10) == 32  # 1 MiB: still inline, no room
+    assert staging_slots(BenchConfig(io_depth=32), cpu, 16 << 10) == 64
+    assert staging_slots(BenchConfig(io_depth=32), cpu, 16 << 10, direct=False) == 32
+    assert staging_slots(BenchConfig(io_depth=32), cpu, 24 << 10) == 42  # 42 × 24 KiB ≤ 1 MiB
+    assert staging_slots(BenchConfig(io_depth=32, slots=32), cuda, 2 << 20) == 32
+    assert staging_slots(BenchConfig(io_depth=8, slots=11), cpu, 4 << 10) == 11
+
+
+def test_the_sizing_advice_takes_the_smallest_depth_near_the_best() -> None:
+    from uring_kv._bench import recommend_depth
+
+    assert recommend_depth({4: 0.5, 8: 0.9, 16: 1.0, 32: 1.02, 64: 1.01}) == 16  # 1.0 ≥ 0.95 × 1.02
+    assert recommend_depth({4: 0.5, 8: 0.9, 16: 0.95, 32: 1.2}) == 32
+    assert recommend_depth({4: 3.0, 8: 2.0}) == 4
 
 
 async def test_cpu_bench_set_up_with_spare_slots_runs_in_pumps(tmp_path: Path) -> None:
     """The bench's CPU set-up with spare slots (128 KiB blocks, depth 16 + 8 spare) is pumped: its
     copies are copier jobs, which run under a depth cap, unlike inline memcpy pumps."""
-    config = BenchConfig(slots=16)
-    spare = spare_slots(config, torch.device("cpu"), 128 << 10)
-    assert spare == 8
+    config = BenchConfig(io_depth=16)
+    slots = staging_slots(config, torch.device("cpu"), 128 << 10)
+    assert slots == 24
     caches = {"k": torch.zeros(16, 32 << 10, dtype=torch.int32)}  # 128 KiB blocks
     source = torch.randint(-2**31, 2**31 - 1, (16, 32 << 10), dtype=torch.int32)
-    async with Engine(caches, tmp_path / "kv.bin", 16, config.slots + spare, io_depth=config.slots) as engine:
+    async with Engine(caches, tmp_path / "kv.bin", 16, slots, io_depth=config.io_depth) as engine:
         caches["k"].copy_(source)
         await engine.store_batch(list(range(16)), list(range(16)))
         caches["k"].zero_()

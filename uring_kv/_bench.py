@@ -1,17 +1,13 @@
-"""``uring-kv bench``: uring_kv against the usual ways of moving KV blocks, and against ceilings.
+"""``uring-kv bench``: uring_kv against what a user would run instead, and against the machine's limits.
 
 Every method runs in the same process, on the same file, with the same random batches, and every
 method's last batch is checked byte for byte: each 8-byte word of disk block ``d`` holds
 ``d << 32 | word``, so a block landing in the wrong place, torn or stale is caught.
 
-Methods (load; stores mirror them):
-* ``uring_kv``: ``Engine.load_batch``.
-* ``serial``: one thread, two staging buffers, blocking preadv per block, a copy and an event per
-  slot, drained at the end of each call (the shape of vLLM's DiskBackend).
-* ``threads``: N threads each doing pread into its own bounce buffer, then the copy.
-* ``ring ceiling``: a C loop on io_uring with registered buffers, same block size and depth, no Python.
-* ``pcie ceiling`` (GPU): one large pinned copy.
-The event loop's lag is sampled while each method runs (a probe process writing to a pipe the loop watches).
+The methods are uring_kv (``Engine.load_batch`` / ``store_batch``) and the peers and ceilings of
+``_peers.py`` (vLLM's DiskBackend, a thread pool, KvikIO, fio, the ring ceiling; the PCIe ceiling
+on a GPU). The event loop's lag is sampled while each method runs (a probe process writing to a
+pipe the loop watches). ``_report.py`` turns the result into the verdict, the table and the plot.
 """
 
 from __future__ import annotations
@@ -24,25 +20,25 @@ import json
 import os
 import random
 import resource
-import statistics
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from uring_kv import _peers
 from uring_kv._engine import PUMP_INLINE_PASS_BYTES, Engine, slots_copy_inline
 from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
-from uring_kv._native import ring_loop
+from uring_kv._report import kind_of
 
-BASELINES = ("serial", "threads", "ceiling")  # --baselines names: serial, threads<N>, ring ceiling
+# --peers names: vLLM's DiskBackend, a thread pool, KvikIO, fio, the ring ceiling
+PEERS = ("vllm-disk", "threads", "kvikio", "fio", "ceiling")
+DEPTHS = (4, 8, 16, 32, 64, 128)  # I/O depths the sizing sweep tries on the ring ceiling
 
 
 @dataclass
@@ -55,13 +51,14 @@ class BenchConfig:
     batches: int | None = None  # measured rounds per block size (None: batches_for's default)
     warmup: int = 1  # unmeasured rounds first (every method), on batches of their own
     gc_freeze: bool = True  # collect and freeze the heap before measuring (see _frozen_heap)
-    slots: int = 32  # uring_kv's I/O depth and the ring ceiling's
-    spare_slots: int | None = None  # uring_kv's staging slots beyond that depth (None: see spare_slots())
-    threads: int = 8
+    io_depth: int = 32  # reads and writes in flight: uring_kv's, the ring ceiling's and fio's
+    slots: int | None = None  # uring_kv's staging slots (None: see staging_slots())
+    threads: int = 8  # of the thread pool and of KvikIO
     direct: bool | None = None  # None: both cold (O_DIRECT) and hot (buffered, page cache)
     device: str = "auto"
     checksum: bool = False  # also measure uring_kv with checksum=True ("uring_kv+crc32c")
-    baselines: tuple[str, ...] = BASELINES  # which of the others run beside uring_kv
+    peers: tuple[str, ...] = PEERS  # which of the others run beside uring_kv
+    sweep: bool = True  # time the ring ceiling at several depths for the sizing advice
 
 
 @dataclass
@@ -70,6 +67,7 @@ class Row:
     case: str
     block_bytes: int
     method: str
+    kind: str  # "uring_kv", "peer" or "ceiling"
     gbps: float
     blocks_per_s: float
     p50_ms: float
@@ -260,17 +258,6 @@ class Workload:
         words = self.per_layer // 8
         return identity_words(disk_blocks, layer * words, words, self.device)
 
-    def copy_block(self, staging: torch.Tensor, gpu_block: int, to_staging: bool) -> None:
-        """Per-tensor async copies between a staging buffer and one GPU block (the baselines' way)."""
-        per = self.per_layer
-        for layer, cache in enumerate(self.caches):
-            part = staging[layer * per:(layer + 1) * per]
-            target = cache[gpu_block].view(torch.uint8)
-            if to_staging:
-                part.copy_(target, non_blocking=True)
-            else:
-                target.copy_(part, non_blocking=True)
-
     def fill_gpu_as(self, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
         index = torch.tensor(gpu_blocks, device=self.device)
         for layer, cache in enumerate(self.caches):
@@ -289,97 +276,6 @@ class Workload:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class SerialBaseline:
-    """One thread, two staging slots, blocking I/O per block, copy + event per slot, drain per call."""
-
-    def __init__(self, work: Workload, fd: int, stride: int) -> None:
-        self.work, self.fd, self.stride = work, fd, stride
-        self.buffer = HostBuffer(2 * stride)
-        self.host = torch.frombuffer(self.buffer.view, dtype=torch.uint8)
-        self.gpu = work.device.type == "cuda"
-        if self.gpu:
-            torch.cuda.cudart().cudaHostRegister(self.buffer.addr, self.buffer.size, 0)
-            self.stream = torch.cuda.Stream(work.device)
-
-    def _slot(self, index: int) -> torch.Tensor:
-        return self.host[index * self.stride:(index + 1) * self.stride]
-
-    def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
-        events: list[Any] = [None, None]
-        for i, (disk_block, gpu_block) in enumerate(zip(disk_blocks, gpu_blocks, strict=True)):
-            slot = i % 2
-            if events[slot] is not None:
-                events[slot].synchronize()
-            view = self.buffer.view[slot * self.stride:(slot + 1) * self.stride]
-            staging = self._slot(slot)
-            if not store:
-                os.preadv(self.fd, [view], disk_block * self.stride)
-            with torch.cuda.stream(self.stream) if self.gpu else contextlib.nullcontext():
-                self.work.copy_block(staging, gpu_block, to_staging=store)
-                if self.gpu:
-                    events[slot] = torch.cuda.Event()
-                    events[slot].record(self.stream)
-            if store:
-                if events[slot] is not None:
-                    events[slot].synchronize()
-                os.pwritev(self.fd, [view], disk_block * self.stride)
-        for event in events:  # the end-of-call drain
-            if event is not None:
-                event.synchronize()
-
-    def close(self) -> None:
-        if self.gpu:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.addr)
-        del self.host
-        self.buffer.close()
-
-
-class ThreadPoolBaseline:
-    """N threads, each with its own bounce buffer: pread then copy (and the reverse for stores)."""
-
-    def __init__(self, work: Workload, fd: int, stride: int, threads: int) -> None:
-        self.work, self.fd, self.stride = work, fd, stride
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-pool")
-        self.local = threading.local()
-        self.buffers: list[HostBuffer] = []
-        self.gpu = work.device.type == "cuda"
-        self.lock = threading.Lock()
-
-    def _state(self) -> tuple[HostBuffer, torch.Tensor, Any]:
-        state = getattr(self.local, "state", None)
-        if state is None:
-            buffer = HostBuffer(self.stride)
-            if self.gpu:
-                torch.cuda.cudart().cudaHostRegister(buffer.addr, buffer.size, 0)
-            stream = torch.cuda.Stream(self.work.device) if self.gpu else None
-            state = (buffer, torch.frombuffer(buffer.view, dtype=torch.uint8), stream)
-            with self.lock:
-                self.buffers.append(buffer)
-            self.local.state = state
-        return state
-
-    def _one(self, store: bool, disk_block: int, gpu_block: int) -> None:
-        buffer, host, stream = self._state()
-        if not store:
-            os.preadv(self.fd, [buffer.view], disk_block * self.stride)
-        with torch.cuda.stream(stream) if self.gpu else contextlib.nullcontext():
-            self.work.copy_block(host, gpu_block, to_staging=store)
-            if self.gpu:
-                stream.synchronize()
-        if store:
-            os.pwritev(self.fd, [buffer.view], disk_block * self.stride)
-
-    def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> None:
-        list(self.pool.map(lambda pair: self._one(store, *pair), zip(disk_blocks, gpu_blocks, strict=True)))
-
-    def close(self) -> None:
-        self.pool.shutdown()
-        for buffer in self.buffers:
-            if self.gpu:
-                torch.cuda.cudart().cudaHostUnregister(buffer.addr)
-            buffer.close()
 
 
 @dataclass
@@ -464,69 +360,72 @@ async def _measure(work: Workload, methods: dict[str, Method], op: str, fd: int,
 def _row(work: Workload, op: str, case: str, method: str, tally: _Tally) -> Row:
     moved = len(tally.latencies) * work.config.batch
     elapsed = sum(tally.latencies)
-    return Row(op, case, work.block_bytes, method, moved * work.block_bytes / elapsed / 1e9, moved / elapsed,
-               _percentile(tally.latencies, 0.5) * 1e3, _percentile(tally.latencies, 0.99) * 1e3, tally.cpu_s,
-               max(tally.lag, default=0.0) * 1e3, _percentile(tally.lag, 0.99) * 1e3, tally.verified,
+    return Row(op, case, work.block_bytes, method, kind_of(method), moved * work.block_bytes / elapsed / 1e9,
+               moved / elapsed, _percentile(tally.latencies, 0.5) * 1e3, _percentile(tally.latencies, 0.99) * 1e3,
+               tally.cpu_s, max(tally.lag, default=0.0) * 1e3, _percentile(tally.lag, 0.99) * 1e3, tally.verified,
                max(tally.timer_lag, default=0.0) * 1e3, _percentile(tally.timer_lag, 0.99) * 1e3,
                [round(x * 1e3, 3) for x in tally.latencies], lag_samples=len(tally.lag),
                lag_ms=[x * 1e3 for x in tally.lag])
 
 
-class RingCeiling:
-    """The disk's ceiling: the C loop on io_uring, registered buffers, depth = slots, no Python."""
+class _Closing:
+    """The peers of one case, closed together whatever happens."""
 
-    def __init__(self, fd: int, stride: int, depth: int) -> None:
-        self.fd, self.stride, self.depth = fd, stride, depth
-        self.buffer = HostBuffer(stride * depth)
+    def __init__(self) -> None:
+        self.items: list[Any] = []
 
-    def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
-        offsets = [d * self.stride for d in disk_blocks]
-        if not store:
-            return ring_loop(self.fd, False, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
-        # The ceiling writes whatever its buffer holds: keep the blocks' bytes (aligned, for O_DIRECT)
-        # and put them back afterwards.
-        snapshot = HostBuffer(self.stride * len(offsets))
-        views = [snapshot.view[i * self.stride:(i + 1) * self.stride] for i in range(len(offsets))]
-        for view, offset in zip(views, offsets, strict=True):
-            os.preadv(self.fd, [view], offset)
-        elapsed = ring_loop(self.fd, True, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
-        for view, offset in zip(views, offsets, strict=True):
-            os.pwritev(self.fd, [view], offset)
-            view.release()
-        snapshot.close()
-        return elapsed
+    def add(self, item: Any) -> Any:
+        self.items.append(item)
+        return item
 
     def close(self) -> None:
-        self.buffer.close()
+        for item in reversed(self.items):
+            item.close()
+        self.items.clear()
+
+
+def _depth_sweep(fd: int, stride: int, work: Workload) -> dict[int, float]:
+    """GB/s of the ring ceiling's loads at each of DEPTHS, two batches each (the sizing advice)."""
+    rates: dict[int, float] = {}
+    batches = work.load_batches[:2]
+    for depth in (d for d in DEPTHS if d <= len(batches[0])):  # deeper than a batch changes nothing
+        ceiling = _peers.RingCeiling(fd, stride, depth)
+        try:
+            ceiling.run(False, batches[0], [])  # warm-up
+            seconds = sum(ceiling.run(False, blocks, []) for blocks in batches)
+        finally:
+            ceiling.close()
+        rates[depth] = len(batches) * len(batches[0]) * stride / seconds / 1e9
+    return rates
 
 
 async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.device, directory: str,
                            progress: Callable[[str], None]) -> tuple[list[Row], dict[str, Any]]:
     work = Workload(config, block_bytes, device)
     rows: list[Row] = []
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"batches": work.batches, "notes": {}}
     cases = [("cold", True), ("hot", False)] if config.direct is None else [
         ("cold" if config.direct else "hot", config.direct)]
     for case, direct in cases:
-        spare = spare_slots(config, device, block_bytes, direct)
+        slots = staging_slots(config, device, block_bytes, direct)
         path = os.path.join(directory, f"uring-kv-bench-{os.getpid()}-{block_bytes}-{case}.bin")
-        async with Engine(work.caches, path, work.num_disk_blocks, config.slots + spare,
+        async with Engine(work.caches, path, work.num_disk_blocks, slots,
                           direct=None if direct else False, checksum=config.checksum,
-                          io_depth=config.slots) as engine:
+                          io_depth=config.io_depth) as engine:
             if direct and not engine.file.direct:
-                extra[f"{case}_note"] = f"O_DIRECT unavailable: {engine.file.reason}; 'cold' is buffered"
+                extra["notes"][case] = f"O_DIRECT unavailable: {engine.file.reason}; 'cold' is buffered"
             progress(f"{block_bytes >> 10} KiB {case}: writing {work.num_disk_blocks} blocks")
             await _prefill(engine, work)
             fd, stride = engine.file.fd, engine.file.stride
             if not direct:
                 await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
             stats = engine.stats()
-            # the slot count can differ between the cases (spare_slots): each case's, and the first's
-            extra.update({f"pinned_bytes_{case}": stats["pinned_bytes"], f"slots_{case}": config.slots + spare})
-            extra.setdefault("pinned_bytes", stats["pinned_bytes"])
-            extra.setdefault("slots", config.slots + spare)
-            extra.update(io_depth=stats["io_depth"],
-                         io=stats["io"], copy=stats["copy"], batches=work.batches)
+            extra[case] = {"slots": slots, "io_depth": stats["io_depth"], "pinned_bytes": stats["pinned_bytes"],
+                           "direct": engine.file.direct, "file_bytes": stride * work.num_disk_blocks,
+                           "stride": stride, "io": stats["io"], "copy": stats["copy"]}
+            if case == "cold" and config.sweep:
+                progress(f"{block_bytes >> 10} KiB cold: the ring ceiling at depths {', '.join(map(str, DEPTHS))}")
+                extra["depth_sweep"] = await asyncio.to_thread(_depth_sweep, fd, stride, work)
 
             async def uring_kv(store: bool, disk_blocks: list[int], gpu_blocks: list[int],
                                checksum: bool = False) -> None:
@@ -537,37 +436,69 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                     await engine.load_batch(disk_blocks, gpu_blocks)
 
             methods: dict[str, Method] = {"uring_kv": uring_kv}
-            others: list[SerialBaseline | ThreadPoolBaseline | RingCeiling] = []  # only those asked for
-            if "serial" in config.baselines:
-                others.append(serial := SerialBaseline(work, fd, stride))
-                methods["serial"] = functools.partial(_in_thread, serial.run)
-            if "threads" in config.baselines:
-                others.append(pool := ThreadPoolBaseline(work, fd, stride, config.threads))
-                methods[f"threads{config.threads}"] = functools.partial(_in_thread, pool.run)
-            if "ceiling" in config.baselines:
-                others.append(ceiling := RingCeiling(fd, stride, config.slots))
-                methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run)
-            if config.checksum:
-                methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
-            ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
-            for op in ops:
-                progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(methods)} (rotating)")
-                engine.bridge.delivery_ns.clear()
-                with _frozen_heap(config.gc_freeze):
-                    tallies = await _measure(work, methods, op, fd, stride)
-                rows.extend(_row(work, op, case, name, tally) for name, tally in tallies.items())
-                delivery = [x / 1e3 for x in engine.bridge.delivery_ns]
-                extra[f"bridge_us_{case}_{op}"] = {  # None: no copy went through the bridge (CPU inline)
-                    "p50": round(_percentile(delivery, 0.5), 1), "p99": round(_percentile(delivery, 0.99), 1),
-                } if delivery else None
-            # batches run in native pumps (else block by block), the prefill's included
-            extra[f"pumped_batches_{case}"] = engine.stats()["pumped_batches"]
-            for other in others:
-                other.close()
+            peers = _Closing()
+            try:
+                _add_peers(config, work, engine, direct, methods, peers, extra)
+                if config.checksum:
+                    methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
+                ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
+                for op in ops:
+                    progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(methods)} (rotating)")
+                    engine.bridge.delivery_ns.clear()
+                    with _frozen_heap(config.gc_freeze):
+                        tallies = await _measure(work, methods, op, fd, stride)
+                    rows.extend(_row(work, op, case, name, tally) for name, tally in tallies.items())
+                    delivery = [x / 1e3 for x in engine.bridge.delivery_ns]
+                    extra[case][f"bridge_us_{op}"] = {  # None: no copy went through the bridge (CPU inline)
+                        "p50": round(_percentile(delivery, 0.5), 1), "p99": round(_percentile(delivery, 0.99), 1),
+                    } if delivery else None
+                    if "fio" in config.peers and direct and engine.file.direct and _peers.fio_path():
+                        progress(f"{block_bytes >> 10} KiB {case} {op}: fio")
+                        moved = work.batches * config.batch * stride
+                        gbps = await asyncio.to_thread(_peers.run_fio, _reopenable(fd), op == "store", stride,
+                                                       config.io_depth, stride * work.num_disk_blocks, moved)
+                        rows.append(Row(op, case, block_bytes, "fio", "ceiling", gbps, gbps * 1e9 / stride, 0.0, 0.0,
+                                        0.0, 0.0, 0.0, True))
+                # batches run in native pumps (else block by block), the prefill's included
+                extra[case]["pumped_batches"] = engine.stats()["pumped_batches"]
+            finally:
+                peers.close()
+    if "fio" in config.peers and not _peers.fio_path():
+        extra["notes"]["fio"] = "not on PATH (apt-get install fio)"
     if device.type == "cuda":
         rows.extend(_pcie_ceiling(device))
     _ratios(rows)
     return rows, extra
+
+
+def _add_peers(config: BenchConfig, work: Workload, engine: Engine, direct: bool, methods: dict[str, Method],
+               peers: _Closing, extra: dict[str, Any]) -> None:
+    """The peers asked for, on the engine's file and the bench's caches."""
+    fd, stride = engine.file.fd, engine.file.stride
+    if "vllm-disk" in config.peers:
+        vllm = peers.add(_peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride))
+        methods[vllm.name] = functools.partial(_in_thread, vllm.run)
+    if "threads" in config.peers:
+        pool = peers.add(_peers.ThreadPool(work.caches, work.per_layer, work.device, fd, stride, config.threads))
+        methods[pool.name] = functools.partial(_in_thread, pool.run)
+    if "kvikio" in config.peers:
+        problem = _peers.kvikio_problem(work.device)
+        if problem:
+            extra["notes"]["kvikio"] = problem
+        else:
+            kvikio = peers.add(_peers.Kvikio(work.caches, work.per_layer, work.device, _reopenable(fd), stride,
+                                             config.threads, config.batch, engine.file.direct))
+            extra["notes"]["kvikio"] = f"{config.threads} threads, {kvikio.mode} mode"
+            methods[kvikio.name] = functools.partial(_in_thread, kvikio.run)
+    if "ceiling" in config.peers:
+        ceiling = peers.add(_peers.RingCeiling(fd, stride, engine.io_depth))
+        methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run)
+
+
+def _reopenable(fd: int) -> str:
+    """A path other processes and libraries can open the engine's file by: it has no name (it is
+    made unnamed, or unlinked at once), but /proc/PID/fd/N reopens the same file."""
+    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 async def _in_thread(run: Callable[[bool, list[int], list[int]], None], store: bool, disk_blocks: list[int],
@@ -603,26 +534,27 @@ def _pcie_ceiling(device: torch.device) -> list[Row]:
             dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize(device)
         elapsed = (time.perf_counter() - start) / 5
-        rows.append(Row(op, "pcie", size, "pcie ceiling", size / elapsed / 1e9, 0.0, elapsed * 1e3,
+        rows.append(Row(op, "pcie", size, "pcie ceiling", "ceiling", size / elapsed / 1e9, 0.0, elapsed * 1e3,
                         elapsed * 1e3, 0.0, 0.0, 0.0, True))
     return rows
 
 
 def _ratios(rows: list[Row]) -> None:
+    """``ratios[X]`` of a uring_kv row: its GB/s ÷ X's on the same operation, case and block size
+    (the PCIe ceiling: on the same operation). Above 1: uring_kv moved the bytes faster; for a
+    ceiling, the fraction of that limit uring_kv reached."""
     for row in rows:
         if row.method != "uring_kv":
             continue
         for other in rows:
-            if (other.op, other.case, other.block_bytes) == (row.op, row.case, row.block_bytes) and other is not row:
+            same = (other.op, other.case, other.block_bytes) == (row.op, row.case, row.block_bytes)
+            if other is not row and (same or (other.method == "pcie ceiling" and other.op == row.op)):
                 row.ratios[other.method] = row.gbps / other.gbps if other.gbps else float("inf")
-        for other in rows:
-            if other.method == "pcie ceiling" and other.op == row.op:
-                row.ratios["pcie ceiling"] = row.gbps / other.gbps
 
 
 # A row should measure more than a few short batches: 4 batches of 256 blocks of 128 KiB last ~70 ms
 # on the H200's disk, whose throughput moves by ±20 % from one batch to the next, and the ratio to
-# the ring ceiling read 0.77–0.95 from run to run (0.88–0.93 with 16; benchmarks.md).
+# the ring ceiling read 0.77–0.95 from run to run (0.88–0.93 with 16).
 DEFAULT_BATCH_BYTES = 512 << 20  # what each method moves per row by default, in 4 to 16 batches
 
 
@@ -635,38 +567,61 @@ def batches_for(config: BenchConfig, block_bytes: int) -> int:
     return max(4, min(16, -(-DEFAULT_BATCH_BYTES // per_batch)))
 
 
-def spare_slots(config: BenchConfig, device: torch.device, block_bytes: int, direct: bool = True) -> int:
-    """uring_kv's slots beyond the I/O depth (an explicit ``--spare-slots`` always wins):
+def staging_slots(config: BenchConfig, device: torch.device, block_bytes: int, direct: bool = True) -> int:
+    """uring_kv's staging slots: ``config.slots`` when given, else the I/O depth and spares:
 
     - half the depth again wherever the copies are jobs for the native copier, so that each slot
-      spends a copy turnaround between its read and the next (benchmarks.md: 0.80× of the ring
-      ceiling at 128 KiB without, 0.91–0.95× with 16 on the H200): on a GPU, and in CPU mode once
-      the slots hold over 1 MiB together;
+      spends a copy turnaround between its read and the next (0.80× of the ring ceiling at 128 KiB
+      without, 0.91–0.95× with 16 on the H200): on a GPU, and in CPU mode once the slots hold over
+      1 MiB together;
     - in CPU mode's smaller O_DIRECT set-ups, whose pumps copy each block on the loop, as many as
       the depth while all slots still hold at most 1 MiB: a reap then submits its refills through
-      the spare slots before it copies (16 KiB loads: 0.86× of the ring ceiling without, 0.94× with
-      32, benchmarks.md 2026-12-04);
+      the spare slots before it copies (16 KiB loads: 0.86× of the ring ceiling without, 0.94× with 32);
     - none for buffered files there: their pumps read straight into the caches, nothing to wait for.
     """
-    if config.spare_slots is not None:
-        return config.spare_slots
+    if config.slots is not None:
+        return config.slots
+    depth = config.io_depth
     # The engine's slot stride is the block rounded up to the file's DIO alignment, which the bench
     # learns only once the engine is open; 4 KiB is the usual alignment's upper end, so "inline"
     # here means inline there too. Where they can differ (blocks far below 4 KiB with hundreds of
     # slots; alignments over 4 KiB), the engine runs a slower path, never a wrong one.
     stride = round_up(block_bytes, 4096)
-    if device.type == "cuda" or not slots_copy_inline(config.slots, stride):
-        return config.slots // 2
+    if device.type == "cuda" or not slots_copy_inline(depth, stride):
+        return depth + depth // 2
     if not direct:
-        return 0
-    return max(0, min(config.slots, PUMP_INLINE_PASS_BYTES // stride - config.slots))
+        return depth
+    return depth + max(0, min(depth, PUMP_INLINE_PASS_BYTES // stride - depth))
+
+
+def recommend_depth(sweep: dict[int, float], share: float = 0.95) -> int:
+    """The smallest I/O depth whose rate reaches ``share`` of the best in the sweep."""
+    best = max(sweep.values())
+    return min(depth for depth, rate in sweep.items() if rate >= share * best)
+
+
+def _filesystem(directory: str) -> str:
+    """The type of the filesystem holding ``directory`` (from /proc/self/mountinfo), or "?"."""
+    target, best, kind = os.path.realpath(directory), "", "?"
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            fstype = fields[fields.index("-") + 1]
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, kind = point, fstype
+    return kind
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    if config.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(config.device)
+    device = resolve_device(config.device)
     directory = config.path or tempfile.gettempdir()
     rows: list[Row] = []
     extras: dict[str, Any] = {}
@@ -681,10 +636,11 @@ async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dic
                     "date": time.strftime("%Y-%m-%d")},
         "config": asdict(config),
         "device": str(device),
+        "path": os.path.realpath(directory),
+        "filesystem": _filesystem(directory),
         "rows": [{k: v for k, v in asdict(row).items() if k != "lag_ms"} for row in rows],
         "extra": extras,
         "all_verified": all(row.verified for row in rows),
-        "median_lag_ms": statistics.median([r.lag_max_ms for r in rows if r.method == "uring_kv"] or [0.0]),
         "uring_kv_lag": pooled_lag(rows),
         # The same probe while the loop had nothing to do (the ceiling's C loop runs on a worker
         # thread): the host's own wake-up latency, the floor under every lag figure of the run.
@@ -699,61 +655,6 @@ def pooled_lag(rows: list[Row], method: str = "uring_kv") -> dict[str, float | i
     lag = [x for row in rows if row.method == method for x in row.lag_ms]
     return {"samples": len(lag), "max_ms": round(max(lag, default=0.0), 3),
             "p99_ms": round(_percentile(lag, 0.99), 3), "p50_ms": round(_percentile(lag, 0.5), 3)}
-
-
-def render(result: dict[str, Any], console: Any) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"uring-kv bench on {result['device']} ({result['machine']['date']})")
-    for column in ("op", "case", "block", "method", "GB/s", "blocks/s", "p50 ms", "p99 ms", "CPU s",
-                   "lag max ms", "lag p99 ms", "ok", "uring_kv ÷ this"):
-        table.add_column(column, justify="right" if column not in ("op", "case", "method") else "left")
-    rows = result["rows"]
-    for row in rows:
-        mine = next((r for r in rows if r["method"] == "uring_kv" and r["op"] == row["op"]
-                     and r["case"] == row["case"] and r["block_bytes"] == row["block_bytes"]), None)
-        ratio = ""
-        if mine is not None and row["method"] in mine["ratios"]:
-            ratio = f"{mine['ratios'][row['method']]:.2f}×"
-        if row["method"] == "pcie ceiling":
-            ratio = ""
-        table.add_row(row["op"], row["case"], f"{row['block_bytes'] >> 10} KiB", row["method"], f"{row['gbps']:.2f}",
-                      f"{row['blocks_per_s']:.0f}", f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}",
-                      f"{row['cpu_s']:.2f}", f"{row['lag_max_ms']:.2f}", f"{row['lag_p99_ms']:.3f}",
-                      "yes" if row["verified"] else "NO", ratio)
-    console.print(table)
-    for key, what in (("uring_kv_lag", "while uring_kv ran (all rows"),
-                      ("idle_loop_lag", "while idle (the ring ceiling's rows")):
-        lag = result.get(key)
-        if lag and lag["samples"]:
-            console.print(f"event loop {what}, {lag['samples']} samples of 1 ms): lag max {lag['max_ms']:.2f} ms, "
-                          f"p99 {lag['p99_ms']:.3f} ms, p50 {lag['p50_ms']:.3f} ms")
-    for size, extra in result["extra"].items():
-        console.print(f"{int(size) >> 10} KiB: " + ", ".join(f"{k}={v}" for k, v in extra.items()))
-
-
-def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, op in zip(axes, ("load", "store"), strict=True):
-        rows = [r for r in result["rows"] if r["op"] == op and r["case"] != "pcie"]
-        labels = sorted({f"{r['method']} ({r['case']})" for r in rows})
-        sizes = sorted({r["block_bytes"] for r in rows})
-        width = 0.8 / max(1, len(labels))
-        for i, label in enumerate(labels):
-            values = [next((r["gbps"] for r in rows if f"{r['method']} ({r['case']})" == label
-                            and r["block_bytes"] == s), 0.0) for s in sizes]
-            ax.bar([x + i * width for x in range(len(sizes))], values, width, label=label)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sizes))], [f"{s >> 10} KiB" for s in sizes])
-        ax.set_ylabel("GB/s")
-        ax.set_title(op)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 def to_json(result: dict[str, Any]) -> str:

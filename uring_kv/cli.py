@@ -10,37 +10,55 @@ import resource
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from uring_kv import __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr naming the option, exit status 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message.removeprefix('argument ')}\n")
+
+
+class UsageError(Exception):
+    """A bad option found after parsing (a path, the free space, the device): exit status 2."""
+
+
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    clean = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        value = int(float(clean[:-1]) * units[clean[-1]]) if clean and clean[-1] in units else int(clean)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 4096, 128K, 2M or 1G, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
 
 
-# The names --baselines takes (uring_kv._bench.BASELINES, which needs torch to import).
-_BASELINE_NAMES = ("serial", "threads", "ceiling")
+# The names --peers takes (uring_kv._bench.PEERS, which needs torch to import).
+_PEER_NAMES = ("vllm-disk", "threads", "kvikio", "fio", "ceiling")
 
 
-def _baselines(text: str) -> tuple[str, ...]:
+def _peers(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     if names == ("none",):
         return ()
-    unknown = [name for name in names if name not in _BASELINE_NAMES]
+    unknown = [name for name in names if name not in _PEER_NAMES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(_BASELINE_NAMES)} "
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(_PEER_NAMES)} "
                                          f"or none, got {text!r}")
-    return tuple(name for name in _BASELINE_NAMES if name in names)
+    return tuple(name for name in _PEER_NAMES if name in names)
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
@@ -48,23 +66,82 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
+def _directory(path: str | None) -> str:
+    """``path`` (or the temp directory) once shown to exist and to take a new file."""
+    directory = path or tempfile.gettempdir()
+    if not os.path.isdir(directory):
+        raise UsageError(f"--path: {directory} is not a directory" if os.path.exists(directory)
+                         else f"--path: {directory} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--path: cannot create a file in {directory}: {exc.strerror or exc}") from None
+    return directory
+
+
+def _free_space(directory: str, needed: int) -> None:
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    if free < needed:
+        raise UsageError(f"--path: {directory} has {free / 2**20:.0f} MiB free, the run needs "
+                         f"{needed / 2**20:.0f} MiB (make --size smaller or choose another --path)")
+
+
+def _device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from uring_kv._bench import BenchConfig, plot, render, run_bench, to_json
+    from uring_kv._bench import BenchConfig, run_bench, to_json
+    from uring_kv._file import round_up
+    from uring_kv._report import plot, render
 
-    config = BenchConfig(path=args.path, size=args.size, layers=args.layers, batch=args.batch,
-                         batches=args.batches, warmup=args.warmup, slots=args.slots,
-                         spare_slots=args.spare_slots, threads=args.threads,
-                         direct=args.direct, device=args.device, checksum=args.checksum,
-                         baselines=args.baselines,
-                         gc_freeze=args.gc_freeze)
-    if args.block_size:
-        config.block_sizes = args.block_size
+    block_sizes = args.block_size or [128 << 10, 2 << 20]
+    for block in block_sizes:
+        per_layer, rest = divmod(block, args.layers)
+        if rest or per_layer % 64:
+            raise UsageError(f"--block-size {block}: does not split into {args.layers} layers of a multiple "
+                             "of 64 bytes each")
+    device = _device(args.device)
+    directory = _directory(args.path)
+    # the largest block file (each case's file is removed before the next is made)
+    _free_space(directory, max(max(args.batch, args.size // b) * round_up(b, 4096) for b in block_sizes))
+    config = BenchConfig(path=directory, size=args.size, block_sizes=block_sizes, layers=args.layers,
+                         batch=args.batch, batches=args.batches, warmup=args.warmup, io_depth=args.io_depth,
+                         slots=args.slots, threads=args.threads, direct=args.direct, device=str(device),
+                         checksum=args.checksum, peers=args.peers, gc_freeze=args.gc_freeze, sweep=args.sweep)
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  disable=not console.is_terminal) as progress:
+                  transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("starting", total=None)
 
         def report(message: str) -> None:
@@ -73,8 +150,7 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"bench: {message}", file=sys.stderr, flush=True)
 
         result = asyncio.run(run_bench(config, report))
-    screen = Console()
-    render(result, screen if screen.is_terminal else Console(width=200))
+    render(result, Console(highlight=False), verbose=args.verbose)
     if args.json:
         with open(args.json, "w") as out:
             out.write(to_json(result))
@@ -146,11 +222,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     from uring_kv import Engine
 
+    device = _device(args.device)
+    directory = _directory(args.path)
+
     async def main() -> None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         caches = {f"layer{i}": torch.randn(64, 16, 128, device=device).to(torch.bfloat16) for i in range(8)}
         original = {k: v.clone() for k, v in caches.items()}
-        path = os.path.join(args.path or tempfile.gettempdir(), f"uring-kv-demo-{os.getpid()}.bin")
+        path = os.path.join(directory, f"uring-kv-demo-{os.getpid()}.bin")
         async with Engine(caches, path, num_disk_blocks=256, num_slots=8) as engine:
             stats = engine.stats()
             print(f"engine on {device}: {stats['io']}, O_DIRECT={stats['direct']}, "
@@ -169,52 +247,72 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 
     from uring_kv.testing import soak
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    result = asyncio.run(soak(args.blocks, device=device, slots=args.slots, workers=args.workers,
-                              cancel_rate=args.cancel_rate, directory=args.path, io=args.io,
-                              checksum=args.checksum, io_depth=args.io_depth))
+    device = _device(args.device)
+    directory = _directory(args.path)
+    console = Console(stderr=True)
+    print(f"soak on {device}: {args.blocks} blocks of 8 layers × 4 KiB, {args.workers} workers × batches of 8 "
+          f"over 256 disk blocks, {args.slots} slots, cancel rate {args.cancel_rate:g}; on a 2-core machine "
+          f"about {args.blocks / 7000:.0f} s (≈7,000 blocks/s there)", file=sys.stderr, flush=True)
+    with Progress(BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                  transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("soak", total=args.blocks)
+        shown = [0]
+
+        def progress(moved: int) -> None:
+            bar.update(task, completed=min(moved, args.blocks))
+            tenth = moved * 10 // args.blocks
+            if not console.is_terminal and tenth > shown[0]:
+                shown[0] = tenth
+                print(f"soak: {min(moved, args.blocks)} of {args.blocks} blocks", file=sys.stderr, flush=True)
+
+        result = asyncio.run(soak(args.blocks, device=str(device), slots=args.slots, workers=args.workers,
+                                  cancel_rate=args.cancel_rate, directory=directory, io=args.io,
+                                  checksum=args.checksum, io_depth=args.io_depth, progress=progress))
     print(f"soak {device}: {result.summary()}")
     return 0 if result.ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="uring-kv", description="KV-cache block offload through io_uring")
+    parser = _Parser(prog="uring-kv", description="KV-cache block offload through io_uring")
     parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="measure loads and stores against baselines and ceilings")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    bench = sub.add_parser("bench", help="measure loads and stores against peers and ceilings",
+                           formatter_class=defaults)
     bench.add_argument("--path", help="directory for the block file (default: the temp directory)")
-    bench.add_argument("--size", type=_size, default=1 << 30, help="file size per block size (default 1G)")
-    bench.add_argument("--block-size", type=_size, action="append", help="bytes per block (repeatable; "
-                       "default 128K and 2M)")
-    bench.add_argument("--layers", type=int, default=32)
-    bench.add_argument("--batch", type=int, default=256, help="blocks per batch")
+    bench.add_argument("--size", type=_size, default=1 << 30, help="file size per block size")
+    bench.add_argument("--block-size", type=_size, action="append",
+                       help="bytes per block (repeatable; default 128K and 2M)")
+    bench.add_argument("--layers", type=_at_least(1), default=32, help="cache tensors a block is split over")
+    bench.add_argument("--batch", type=_at_least(1), default=256, help="blocks per batch")
     bench.add_argument("--batches", type=_at_least(1), default=None,
                        help="measured batches per method (default: enough to move 512 MiB per row, "
                             "4 to 16: 16 at 128K, 4 at 2M)")
-    bench.add_argument("--warmup", type=_at_least(0), default=1,
-                       help="unmeasured batches per method first (default 1)")
+    bench.add_argument("--warmup", type=_at_least(0), default=1, help="unmeasured batches per method first")
     bench.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                        help="do not collect and freeze the heap before measuring")
-    bench.add_argument("--slots", type=int, default=32,
-                       help="I/O depth of uring_kv and of the ring ceiling (default 32)")
-    bench.add_argument("--spare-slots", type=_at_least(0), default=None,
-                       help="uring_kv's staging slots beyond that depth, for blocks in their copy "
-                            "(default: half the depth on a GPU, and in CPU mode when the slots hold "
-                            "over 1 MiB; in smaller CPU-mode O_DIRECT set-ups as many as the depth "
-                            "while all slots hold at most 1 MiB; else 0)")
-    bench.add_argument("--threads", type=int, default=8, help="threads of the thread-pool baseline")
-    bench.add_argument("--baselines", type=_baselines, default=_BASELINE_NAMES,
-                       help="which methods run beside uring_kv, comma-separated: serial, threads (the "
-                            "thread pool), ceiling (the ring ceiling), or none (default: all three)")
+    bench.add_argument("--io-depth", type=_at_least(1), default=32,
+                       help="reads and writes in flight: uring_kv's, the ring ceiling's and fio's")
+    bench.add_argument("--slots", type=_at_least(1), default=None,
+                       help="uring_kv's staging slots (default: the I/O depth and half as many again where "
+                            "copies are copier jobs; see docs/performance.md)")
+    bench.add_argument("--threads", type=_at_least(1), default=8, help="threads of the thread pool and of KvikIO")
+    bench.add_argument("--peers", type=_peers, default=_PEER_NAMES,
+                       help="which methods run beside uring_kv, comma-separated, or none")
     direct = bench.add_mutually_exclusive_group()
-    direct.add_argument("--direct", dest="direct", action="store_true", default=None, help="cold (O_DIRECT) only")
+    direct.add_argument("--direct", dest="direct", action="store_true", default=None,
+                        help="cold (O_DIRECT) only (default: cold and hot)")
     direct.add_argument("--buffered", dest="direct", action="store_false", help="hot (page cache) only")
-    bench.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
+    bench.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (auto: cuda if available)")
     bench.add_argument("--checksum", action="store_true", help="also measure uring_kv with checksum=True")
+    bench.add_argument("--no-sweep", dest="sweep", action="store_false",
+                       help="skip the ring ceiling's depth sweep behind the sizing advice")
+    bench.add_argument("--verbose", action="store_true", help="more columns and the engine's set-up")
     bench.add_argument("--json", help="write the results as JSON to this file")
     bench.add_argument("--print-json", action="store_true", help="print the JSON to stdout")
     bench.add_argument("--plot", help="write a PNG of GB/s by block size and method")
@@ -222,20 +320,30 @@ def main(argv: list[str] | None = None) -> int:
     info_parser = sub.add_parser("info", help="what uring_kv would use on this machine")
     info_parser.add_argument("--path", help="directory to probe for O_DIRECT (default: the temp directory)")
     info_parser.set_defaults(func=_info)
-    demo = sub.add_parser("demo", help="store and load a few blocks and say what happened")
-    demo.add_argument("--path")
+    demo = sub.add_parser("demo", help="store and load a few blocks and say what happened", formatter_class=defaults)
+    demo.add_argument("--path", help="directory for the block file (default: the temp directory)")
+    demo.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (auto: cuda if available)")
     demo.set_defaults(func=_demo)
-    soak = sub.add_parser("soak", help="concurrent loads, stores and cancellations, every block checked")
-    soak.add_argument("--blocks", type=int, default=1_000_000)
-    soak.add_argument("--slots", type=int, default=4)
-    soak.add_argument("--io-depth", type=int, default=None,
+    soak = sub.add_parser("soak", help="concurrent loads, stores and cancellations, every block checked",
+                          formatter_class=defaults)
+    soak.add_argument("--blocks", type=_at_least(1), default=1_000_000, help="blocks to move in all")
+    soak.add_argument("--slots", type=_at_least(1), default=4, help="staging slots")
+    soak.add_argument("--io-depth", type=_at_least(1), default=None,
                       help="reads and writes in flight at most (default: the slots; fewer leaves spare slots)")
-    soak.add_argument("--workers", type=int, default=16)
-    soak.add_argument("--cancel-rate", type=float, default=0.1)
-    soak.add_argument("--device", default="auto")
-    soak.add_argument("--io", default=None, help="auto, uring or threads")
-    soak.add_argument("--checksum", action="store_true")
-    soak.add_argument("--path", help="directory for the block file")
+    soak.add_argument("--workers", type=_at_least(1), default=16, help="concurrent callers")
+    soak.add_argument("--cancel-rate", type=_fraction, default=0.1, help="share of calls cancelled mid-flight")
+    soak.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (auto: cuda if available)")
+    soak.add_argument("--io", choices=("auto", "uring", "threads"), default=None,
+                      help="I/O backend (default: auto)")
+    soak.add_argument("--checksum", action="store_true", help="store and verify a checksum per block")
+    soak.add_argument("--path", help="directory for the block file (default: the temp directory)")
     soak.set_defaults(func=_soak)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        print(f"uring-kv {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

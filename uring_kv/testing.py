@@ -13,6 +13,7 @@ import random
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +89,8 @@ class SoakResult:
 
 async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int = 16, batch: int = 8,
                disk_blocks: int = 256, cancel_rate: float = 0.1, directory: str | None = None, seed: int = 0,
-               faults: Any = None, **engine_options: Any) -> SoakResult:
+               faults: Any = None, progress: Callable[[int], None] | None = None, stall_seconds: float = 60.0,
+               **engine_options: Any) -> SoakResult:
     """Concurrent loads, stores and cancellations over few slots until ``blocks`` blocks have moved.
 
     Every disk block is stored once (version 1) first. A load must then return, for each block, a
@@ -99,7 +101,10 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
     ``faults``: ``(engine, rng) -> None``, called every millisecond or so while the workers run, to
     make stores fail (e.g. a fault filesystem's failing ranges). Store errors are then expected; a
     load may fail only for blocks with a failed store called before it returned, with that
-    store's errno, and any other load error counts in ``errors``."""
+    store's errno, and any other load error counts in ``errors``.
+
+    ``progress(moved)`` is called about five times a second. A soak in which no block moves for
+    ``stall_seconds`` (every I/O failing, say) stops there, with one error counted for the stall."""
     from uring_kv import BlockIOError, Engine
 
     caches = id_caches(device, blocks=workers * batch)
@@ -111,6 +116,7 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
     refusals: list[tuple[int, int]] = []  # (disk block, errno) of loaded blocks refused
     delivered: list[tuple[int, int]] = []  # (disk block, version) loaded while stores fail
     running = True
+    stalled = False
     start = time.perf_counter()
     engine = Engine(caches, path, disk_blocks, slots, **engine_options)
 
@@ -118,7 +124,7 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
         nonlocal moved, checked, corrupt, cancelled, errors, failed_stores
         rng = random.Random(seed * 7919 + index)
         own = list(range(index * batch, (index + 1) * batch))
-        while moved < blocks:
+        while moved < blocks and not stalled:
             chosen = rng.sample(range(disk_blocks), batch)
             store = rng.random() < 0.4
             if store:
@@ -168,6 +174,20 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
                 elif faults is not None:
                     delivered.append((disk_block, version))
 
+    async def watch() -> None:
+        nonlocal stalled, errors
+        last, since = -1, time.monotonic()
+        while running:
+            if progress is not None:
+                progress(moved)
+            if moved != last:
+                last, since = moved, time.monotonic()
+            elif time.monotonic() - since > stall_seconds:
+                stalled = True
+                errors += 1
+                return
+            await asyncio.sleep(0.2)
+
     async def chaos() -> None:
         rng = random.Random(seed)
         while running:
@@ -183,12 +203,16 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
                 fill(caches, gpu_block, disk_block, 1)
             await engine.store_batch(list(range(len(chosen))), chosen)
         chaos_task = asyncio.ensure_future(chaos()) if faults is not None else None
+        watch_task = asyncio.ensure_future(watch())
         try:
             await asyncio.gather(*(worker(i) for i in range(workers)))
         finally:
             running = False
             if chaos_task is not None:
                 await chaos_task
+            await watch_task
+        if progress is not None:
+            progress(moved)
         for disk_block, code in refusals:
             if code in failed[disk_block].values():
                 refused += 1
