@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import uring_kv
-from uring_kv import metrics, testing
+from uring_kv import metrics, sync, testing
 
 PUBLIC: list[tuple[str, Any]] = [
     ("uring_kv.Engine", uring_kv.Engine),
@@ -17,6 +17,11 @@ PUBLIC: list[tuple[str, Any]] = [
     ("uring_kv.EngineClosedError", uring_kv.EngineClosedError),
     ("uring_kv.UringUnavailable", uring_kv.UringUnavailable),
     ("uring_kv.UringKVError", uring_kv.UringKVError),
+    ("uring_kv.BlockStore", uring_kv.BlockStore),
+    ("uring_kv.SyncBlockStore", uring_kv.SyncBlockStore),
+    ("uring_kv.sync.LoopThread", sync.LoopThread),
+    ("uring_kv.KeyMissingError", uring_kv.KeyMissingError),
+    ("uring_kv.KeyIOError", uring_kv.KeyIOError),
     ("uring_kv.metrics.PrometheusCollector", metrics.PrometheusCollector),
     ("uring_kv.testing.soak", testing.soak),
     ("uring_kv.testing.fill", testing.fill),

@@ -32,3 +32,49 @@ class BlockIOError(UringKVError, OSError):
         more = f" and {len(self.failures) - 8} more" if len(self.failures) > 8 else ""
         super().__init__(first_errno, f"{op} failed for disk block(s) {', '.join(parts)}{more}")
         self.disk_blocks = list(self.failures)
+
+
+def describe_key(key: bytes) -> str:
+    """A key as error messages show it: its hex, cut at 32 bytes."""
+    text = key[:32].hex()
+    return text + "…" if len(key) > 32 else text or "b''"
+
+
+class KeyMissingError(UringKVError, KeyError):
+    """``get()`` was given keys the store does not hold: never put, evicted, still being written,
+    or dropped after a failed store or load. ``keys`` lists them in call order. Raised before any
+    I/O: no row was touched."""
+
+    def __init__(self, keys: list[bytes]) -> None:
+        self.keys = list(keys)
+        shown = ", ".join(describe_key(key) for key in self.keys[:8])
+        more = f" and {len(self.keys) - 8} more" if len(self.keys) > 8 else ""
+        super().__init__(f"{len(self.keys)} key(s) not in the store: {shown}{more}")
+
+    def __str__(self) -> str:  # KeyError's own shows the repr of its argument
+        return str(self.args[0])
+
+
+NO_ROOM = _errno.EBUSY  # the errno ``KeyIOError`` gives a key a put found no block for
+
+
+class KeyIOError(UringKVError, OSError):
+    """A ``put()`` or ``get()`` failed for some keys; ``failures`` maps key → errno.
+
+    Every key it names is absent from the store afterwards (a later ``get`` raises
+    :class:`KeyMissingError`); every other key of the call was stored or loaded. ``EBUSY``
+    (``NO_ROOM``) means the put found no block to evict: every block was in flight."""
+
+    def __init__(self, op: str, failures: dict[bytes, int]) -> None:
+        self.failures = dict(failures)
+        first_errno = next(iter(self.failures.values()))
+        parts = [f"{describe_key(key)} ({_reason(code)})" for key, code in list(self.failures.items())[:8]]
+        more = f" and {len(self.failures) - 8} more" if len(self.failures) > 8 else ""
+        super().__init__(first_errno, f"{op} failed for key(s) {', '.join(parts)}{more}")
+        self.keys = list(self.failures)
+
+
+def _reason(code: int) -> str:
+    if code == NO_ROOM:
+        return "no room: every block is being read or written"
+    return f"{_errno.errorcode.get(code, code)}: {os.strerror(code)}"

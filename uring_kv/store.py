@@ -1,0 +1,385 @@
+"""Keys → disk blocks of one engine's file: a bounded block store with LRU eviction.
+
+It owns the index (key → disk block), the free blocks, and the pins of blocks in flight. It must never
+let a lookup see a key whose bytes are not complete and trusted, and never give a block to another
+key while a transfer still uses it. The I/O itself is the engine's.
+
+Some facts about frameworks' KV caches, and what follows for the store:
+
+* Frameworks poll: a lookup answers "is it there?" now, and a load is scheduled later. A key whose
+  last store failed must therefore turn into a *miss*, not into a hit whose every load fails (vLLM
+  #49176 livelocked so, retrying the load forever). So a key is *visible* (``contains``,
+  ``lookup``, ``get``) only from the end of a successful store until it is evicted or a load of it
+  fails. A key being written waits outside the index, in ``_writing``: invisible, and out of the
+  eviction's reach; if its store fails it never appears, and its block goes back to the free list.
+* Keys are content hashes (vLLM's block hash names the block's tokens and everything before them),
+  so a key's bytes never change. A put of a visible key only refreshes it in the LRU order; a put of
+  a key another put is still writing waits for that write and shares its outcome. Nothing ever
+  rewrites a visible key's block, which is why a get running beside a put of the same key reads the
+  old, complete bytes (or misses, if the key was not visible when the get was called).
+* A get pins its blocks (``readers``) for as long as the engine may read them; eviction skips pinned
+  blocks, and a block dropped while pinned (its load failed) is freed by its last reader. When every
+  block is in flight, a put fails at once for the keys that found no room (``NO_ROOM``) instead of
+  waiting: one put may take every block, and waiting for its own blocks would never end; a cache
+  that cannot take a block now is better off without it than stalled.
+* Everything but ``contains``/``lookup``/``stats`` runs on the engine's loop, and no decision is
+  separated from its bookkeeping by an ``await``. The index is an OrderedDict: lookup, touch and
+  eviction of the oldest are O(1). A lookup from another thread is one dict membership test per
+  key, atomic under the GIL, so those three may be called from any thread (see ``uring_kv.sync``).
+"""
+
+from __future__ import annotations
+
+import errno
+import operator
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from uring_kv._engine import Engine, _normalise_caches
+from uring_kv._file import round_up
+from uring_kv._loop import LoopServices, current_services
+from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
+
+# capacity_bytes counts each block padded to this, the largest I/O alignment usual today: the file
+# (blocks padded to the real alignment, known only once it is open) then fits in capacity_bytes.
+PAD_FOR_CAPACITY = 4096
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    key: bytes
+    disk_block: int
+    readers: int = 0  # gets in flight that read the block: it must not be evicted or reused
+    gone: bool = False  # out of the index for good (evicted, or its load failed)
+    error: int = 0  # the errno of its store, which failed
+    written: Any = None  # a future other puts of the key wait on (made when one does)
+
+
+class BlockStore:
+    """Keys (bytes) → blocks of cache rows, kept in a private file of ``capacity`` blocks.
+
+    ``caches``, ``path``, ``num_slots`` and ``engine_options`` (``direct``, ``io``, ``copy_delay``,
+    ``checksum``, ``io_depth``) go to the :class:`Engine` underneath (``store.engine``). Give the
+    size as ``capacity_blocks``, or as ``capacity_bytes`` (each block counted padded to 4 KiB). The
+    file is sized for the capacity at ``open()`` and no more blocks are ever used; the index takes
+    memory per key held, so memory is bounded by the capacity too. Nothing outlives the store:
+    the file has no name, and closing forgets every key.
+
+    Use as ``async with BlockStore(...) as store`` (or ``open()`` … ``aclose()``) on one event loop
+    (asyncio, or trio); :class:`uring_kv.SyncBlockStore` runs one for threads.
+
+    Guarantees:
+
+    * A key is visible to ``contains``/``lookup``/``get`` only once a store of its bytes completed,
+      and stops being visible when it is evicted or a load of it fails: a failure is a miss, never
+      a hang or stale bytes.
+    * Eviction takes the least recently used key (``put`` and ``get`` use a key; lookups do not)
+      among those no transfer is using: a block being read or written is never evicted.
+    * A key's bytes are written once: a put of a visible key only refreshes it. A get therefore
+      returns a key's complete bytes, or raises.
+    """
+
+    def __init__(self, caches: Any, path: str | os.PathLike[str], capacity_blocks: int | None = None,
+                 num_slots: int = 16, *, capacity_bytes: int | None = None, **engine_options: Any) -> None:
+        if (capacity_blocks is None) == (capacity_bytes is None):
+            raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
+        if capacity_bytes is not None:
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+                raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+            _, tensors = _normalise_caches(caches)
+            padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
+            capacity_blocks = capacity_bytes // padded
+            if capacity_blocks < 1:
+                raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
+        assert capacity_blocks is not None
+        self.engine = Engine(caches, path, capacity_blocks, num_slots, **engine_options)  # checks the rest
+        self.capacity = capacity_blocks
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # visible keys, least recently used first
+        self._writing: dict[bytes, _Entry] = {}  # keys being written: invisible, not evictable
+        self._free: list[int] = []  # blocks given back
+        self._fresh = 0  # blocks [_fresh, capacity) were never given out
+        self._pinned = 0  # entries of the index with readers
+        self._busy = 0  # puts and gets under way
+        self._idle: Any = None  # a future aclose() waits on for the last of them
+        self._closed: Any = None  # a future: closing finished
+        self._svc: LoopServices | None = None
+        self._state = "new"
+        self._counts = {"evictions": 0, "store_failures": 0, "load_failures": 0, "no_room": 0}
+
+    # ----------------------------------------------------------------- lifecycle
+    async def open(self) -> BlockStore:
+        """Open the engine (create the file) on the running loop."""
+        if self._state != "new":
+            raise RuntimeError(f"block store is {self._state}; open() is called once")
+        self._state = "opening"
+        self._svc = current_services()
+        try:
+            await self.engine.open()
+        except BaseException:
+            self._state = "closed"
+            raise
+        if self._state == "opening":  # (not if aclose() began meanwhile)
+            self._state = "open"
+        return self
+
+    async def __aenter__(self) -> BlockStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Refuse new calls, let those under way finish (their keys land or fail as usual), close
+        the engine (which frees the file), and forget every key. Returns once closed, however many
+        times it is called; a cancelled aclose() still closes, then raises the cancellation."""
+        if self._state == "closed":
+            return
+        svc = self._svc or current_services()
+        if self._closed is not None:
+            await svc.wait_through_cancellation(self._closed)
+            return
+        self._closed = svc.create_future()
+        self._state = "closing"
+        try:
+            await svc.run_to_completion(self._close(svc))
+        finally:
+            self._state = "closed"
+            self._closed.set_result(None)
+
+    async def _close(self, svc: LoopServices) -> None:
+        try:
+            await self.engine.aclose()  # waits for every batch in flight (and for open() if it runs)
+        finally:
+            while self._busy:  # their last step (index updates, pins) runs after their batches end
+                self._idle = svc.create_future()
+                await svc.wait_through_cancellation(self._idle)
+            self._index.clear()
+            self._writing.clear()
+            self._free.clear()
+            self._fresh = self._pinned = 0
+
+    @property
+    def closed(self) -> bool:
+        """Whether the store has finished closing (or failed to open)."""
+        return self._state == "closed"
+
+    # ----------------------------------------------------------------- lookups (any thread)
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is visible now. O(1), no I/O, does not touch the LRU order; safe from any
+        thread. A hint: the key may be evicted before a later ``get``."""
+        return key in self._index
+
+    def lookup(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, are visible now (a prefix hit). O(1) per key, no
+        I/O, does not touch the LRU order; safe from any thread."""
+        index, count = self._index, 0
+        for key in keys:
+            if key not in index:
+                break
+            count += 1
+        return count
+
+    def stats(self) -> dict[str, int]:
+        """Keys held, capacity and free blocks (in blocks), keys being written, keys pinned by gets,
+        and counts since open: evictions, keys whose store failed, keys dropped by a failed load,
+        keys a put found no room for. Safe from any thread (the numbers may be mid-update)."""
+        return {"keys": len(self._index), "capacity_blocks": self.capacity,
+                "free_blocks": len(self._free) + self.capacity - self._fresh, "writing": len(self._writing),
+                "pinned": self._pinned, **self._counts}
+
+    # ----------------------------------------------------------------- transfers (the loop)
+    async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
+        """Store cache row ``rows[i]`` under ``keys[i]``; returns once every key is visible.
+
+        A visible key is not written again (its bytes cannot have changed), only refreshed in the
+        LRU order; a key another put is writing is left to that put, and this one waits for it. A
+        new key takes a free block, else the least recently used key's block among those no
+        transfer is using. It becomes visible once its bytes are in the file.
+
+        Raises :class:`KeyIOError` naming the keys that were not stored (an I/O error, or
+        ``NO_ROOM`` when every block was in flight); the others were. Bad arguments raise
+        ValueError or TypeError before anything changes. If cancelled, none of the keys it was
+        writing becomes visible. ``after``: see :meth:`Engine.store_batch` (GPU mode)."""
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=True)
+        svc = self._check_open()
+        writes: list[tuple[_Entry, int]] = []
+        others: list[_Entry] = []  # keys another put is writing
+        failures: dict[bytes, int] = {}
+        index = self._index
+        for key, row in zip(key_list, row_list, strict=True):
+            if key in index:
+                index.move_to_end(key)
+            elif (entry := self._writing.get(key)) is not None:
+                if entry.written is None:
+                    entry.written = svc.create_future()
+                others.append(entry)
+            elif (disk_block := self._allocate()) is None:
+                failures[key] = NO_ROOM
+            else:
+                entry = _Entry(key, disk_block)
+                self._writing[key] = entry
+                writes.append((entry, row))
+        self._counts["no_room"] += len(failures)
+        self._busy += 1
+        try:
+            if writes:
+                failures.update(await self._write(writes, after))
+            for entry in others:
+                await svc.wait(entry.written)
+                if entry.error:
+                    failures[entry.key] = entry.error
+        finally:
+            self._op_done()
+        if failures:
+            raise KeyIOError("put", failures)
+
+    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
+        """Load the bytes of ``keys[i]`` into cache row ``rows[i]``; returns once they are there.
+
+        Every key must be visible, or :class:`KeyMissingError` names the missing ones before any
+        I/O. The keys' blocks are pinned until the load ends, so they are neither evicted nor
+        reused meanwhile. A key whose load fails is dropped (later lookups miss) and
+        :class:`KeyIOError` names it; the other rows hold their keys' bytes. If cancelled, the rows
+        of blocks not yet loaded are left as they were. ``after``: see :meth:`Engine.load_batch`."""
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
+        self._check_open()
+        index = self._index
+        if missing := [key for key in key_list if key not in index]:
+            raise KeyMissingError(missing)
+        entries = [index[key] for key in key_list]
+        for entry in entries:
+            index.move_to_end(entry.key)
+            if not entry.readers:
+                self._pinned += 1
+            entry.readers += 1
+        self._busy += 1
+        try:
+            await self.engine.load_batch([entry.disk_block for entry in entries], row_list, after)
+        except BlockIOError as exc:
+            failures = {entry.key: exc.failures[entry.disk_block] for entry in entries
+                        if entry.disk_block in exc.failures}
+            for entry in entries:
+                if entry.key in failures:
+                    self._drop(entry)
+            self._counts["load_failures"] += len(failures)
+            raise KeyIOError("get", failures) from exc
+        finally:
+            for entry in entries:
+                self._unpin(entry)
+            self._op_done()
+
+    # ----------------------------------------------------------------- internals
+    async def _write(self, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
+        """Store the entries' rows to their blocks; make the written ones visible, free the
+        others' blocks. The keys that failed, with their errno."""
+        try:
+            await self.engine.store_batch([row for _, row in writes], [entry.disk_block for entry, _ in writes],
+                                          after)
+        except BlockIOError as exc:
+            return self._settle(writes, exc.failures)
+        except BaseException:  # cancelled, or refused (closing): no block of it is vouched for
+            self._settle(writes, {entry.disk_block: errno.ECANCELED for entry, _ in writes})
+            raise
+        return self._settle(writes, {})
+
+    def _settle(self, writes: list[tuple[_Entry, int]], failed: Mapping[int, int]) -> dict[bytes, int]:
+        failures: dict[bytes, int] = {}
+        for entry, _ in writes:
+            del self._writing[entry.key]
+            if code := failed.get(entry.disk_block, 0):
+                entry.error = failures[entry.key] = code
+                self._free.append(entry.disk_block)
+            else:
+                self._index[entry.key] = entry
+            if entry.written is not None:
+                entry.written.set_result(None)
+        self._counts["store_failures"] += len(failures)
+        return failures
+
+    def _allocate(self) -> int | None:
+        """A disk block for a new key: a free one, else the least recently used unpinned key's
+        (evicted); None when every block is in flight."""
+        if self._free:
+            return self._free.pop()
+        if self._fresh < self.capacity:
+            self._fresh += 1
+            return self._fresh - 1
+        index = self._index
+        if len(index) == self._pinned:
+            return None
+        while True:
+            key, entry = next(iter(index.items()))
+            if not entry.readers:
+                break
+            index.move_to_end(key)  # being read: in use right now, so not the least recently used
+        del index[key]
+        entry.gone = True
+        self._counts["evictions"] += 1
+        return entry.disk_block
+
+    def _drop(self, entry: _Entry) -> None:
+        """Take a visible key out of the index for good; its block is freed once no get reads it."""
+        if entry.gone:
+            return
+        entry.gone = True
+        del self._index[entry.key]
+        if entry.readers:
+            self._pinned -= 1  # (counts the index's entries only)
+        else:
+            self._free.append(entry.disk_block)
+
+    def _unpin(self, entry: _Entry) -> None:
+        entry.readers -= 1
+        if entry.readers:
+            return
+        if entry.gone:
+            self._free.append(entry.disk_block)  # the last reader of a dropped key gives its block back
+        else:
+            self._pinned -= 1
+
+    def _op_done(self) -> None:
+        self._busy -= 1
+        if not self._busy and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    def _check_open(self) -> LoopServices:
+        if self._state != "open":
+            raise EngineClosedError(f"block store is {self._state}")
+        assert self._svc is not None
+        if not self._svc.is_current():  # before anything changes: the index belongs to the loop's thread
+            raise RuntimeError("uring_kv BlockStore called outside the event loop (and thread) that opened it")
+        return self._svc
+
+    def _arguments(self, keys: Iterable[bytes], rows: Iterable[int], after: Any,
+                   unique_keys: bool) -> tuple[list[bytes], list[int]]:
+        """The keys and rows as lists, checked (so that nothing changes before the engine, which
+        checks them again, could refuse them)."""
+        if after is not None and not self.engine.gpu:
+            raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise TypeError("keys must be a sequence of keys (bytes), not one key")
+        key_list = list(keys)
+        for position, key in enumerate(key_list):
+            if not isinstance(key, bytes):
+                raise TypeError(f"keys[{position}] is a {type(key).__name__}, not bytes")
+        row_list = list(rows.tolist() if hasattr(rows, "tolist") else rows)
+        if len(key_list) != len(row_list):
+            raise ValueError(f"keys has {len(key_list)} entries but rows has {len(row_list)}")
+        limit = self.engine.num_gpu_blocks
+        for position, row in enumerate(row_list):
+            if isinstance(row, bool):
+                raise TypeError(f"rows[{position}] is a bool, not a row index")
+            try:
+                row_list[position] = operator.index(row)
+            except TypeError:
+                raise TypeError(f"rows[{position}] must be an integer, got {type(row).__name__}") from None
+            if not 0 <= row_list[position] < limit:
+                raise ValueError(f"rows[{position}] = {row_list[position]} is out of range [0, {limit})")
+        if len(set(row_list)) != len(row_list):
+            raise ValueError("a row appears twice in one call")
+        if unique_keys and len(set(key_list)) != len(key_list):
+            raise ValueError("a key appears twice in one put")
+        return key_list, row_list

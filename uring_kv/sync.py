@@ -1,0 +1,209 @@
+"""The block store for threaded callers: a private event loop on its own thread, callable from any thread.
+
+Serving frameworks call their KV tiers from their own threads, often under a lock they hold for the
+whole call, and poll for completions. So nothing here waits for I/O unless asked to:
+
+* ``submit_put`` / ``submit_get`` hand the call to the store's loop and return a
+  ``concurrent.futures.Future`` at once (a thread-safe wake-up of the loop, no more); the blocking
+  ``put`` / ``get`` are those plus ``.result()``;
+* ``contains`` / ``lookup`` / ``stats`` read the store's index from the caller's thread, with no
+  trip through the loop: each key is one dict membership test, atomic under the GIL, and the loop
+  changes the index only once a key's bytes are written (see ``uring_kv.store``).
+
+Calls submitted from one thread start on the loop in submission order, so a get submitted after a
+put's future completed sees that put's keys (unless evicted since).
+
+Asyncio users who do not use it pay nothing: importing it starts nothing, and no thread exists
+until a :class:`LoopThread` is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from uring_kv.errors import EngineClosedError
+from uring_kv.store import BlockStore
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio event loop running on a thread of its own until :meth:`close`.
+
+    The thread runs ``asyncio.run``, so closing it also cancels any task left, shuts down async
+    generators and joins the loop's executor threads: nothing of it outlives ``close()``."""
+
+    def __init__(self, name: str = "uring-kv-loop") -> None:
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            self._thread.join()
+            raise self._failure
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # only before it was ready: afterwards _main just returns
+            self._failure = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def in_thread(self) -> bool:
+        """Whether the caller runs on the loop's own thread (where waiting for it would deadlock)."""
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run ``coro`` on the loop; returns at once. Its result or exception goes to the future.
+        Coroutines submitted from one thread start in submission order."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for its result (never from the loop's own thread)."""
+        if self.in_thread():
+            coro.close()
+            raise RuntimeError("LoopThread.run() called on the loop's own thread: it would wait for itself")
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        """Stop the loop (cancelling whatever still runs on it) and join the thread. Idempotent."""
+        if self.in_thread():
+            raise RuntimeError("LoopThread.close() called on the loop's own thread: it would wait for itself")
+        if self._loop is not None and self._stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has already ended
+                self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join()
+
+
+class SyncBlockStore:
+    """A :class:`uring_kv.BlockStore` on a private event-loop thread, callable from any thread.
+
+    Takes the arguments of :class:`BlockStore` and opens it before returning (raising what
+    ``open()`` raised, with no thread left behind). ``submit_put`` / ``submit_get`` never block:
+    they return a ``concurrent.futures.Future`` whose result is None or whose exception is the one
+    the store's call raised (:class:`KeyMissingError`, :class:`KeyIOError`, ...). Its callbacks run
+    on the store's thread and must not block. ``contains`` / ``lookup`` / ``stats`` answer from the
+    caller's thread without waiting for the loop. The cache rows a call names must stay untouched
+    (and alive) until its future completes.
+
+    ``close()`` (or leaving ``with``) refuses new calls, lets every call submitted before it finish
+    (each future gets its result, or an error saying the store closed), closes the store (the file
+    goes with it) and joins the thread. One thread per store."""
+
+    def __init__(self, caches: Any, path: str | os.PathLike[str], capacity_blocks: int | None = None,
+                 num_slots: int = 16, *, capacity_bytes: int | None = None, **engine_options: Any) -> None:
+        self.store = BlockStore(caches, path, capacity_blocks, num_slots, capacity_bytes=capacity_bytes,
+                                **engine_options)
+        self._lock = threading.Lock()  # held only to check-and-submit, never across a wait
+        self._closing = False
+        self._close_lock = threading.Lock()  # held through close(): a second close() waits for the first
+        self._loop = LoopThread(name="uring-kv-store")
+        try:
+            self._loop.run(self.store.open())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._loop.run(self.store.aclose())
+            self._loop.close()
+            raise
+
+    def __enter__(self) -> SyncBlockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread the store's loop runs on."""
+        return self._loop.thread
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called: new calls are refused."""
+        return self._closing
+
+    # ----------------------------------------------------------------- no round trip
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is in the store now (see :meth:`BlockStore.contains`); never waits."""
+        return self.store.contains(key)
+
+    def lookup(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, are in the store now; never waits."""
+        return self.store.lookup(keys)
+
+    def stats(self) -> dict[str, int]:
+        """:meth:`BlockStore.stats`; never waits."""
+        return self.store.stats()
+
+    # ----------------------------------------------------------------- submitted to the loop
+    def submit_put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[None]:
+        """:meth:`BlockStore.put` on the store's loop; returns its future at once."""
+        with self._lock:
+            self._check_open()
+            return self._loop.submit(self.store.put(list(keys), _rows(rows), after))
+
+    def submit_get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[None]:
+        """:meth:`BlockStore.get` on the store's loop; returns its future at once."""
+        with self._lock:
+            self._check_open()
+            return self._loop.submit(self.store.get(list(keys), _rows(rows), after))
+
+    def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> None:
+        """``submit_put(...).result(timeout)``: waits for the keys to be written (not from the
+        store's own thread). A timeout leaves the put running."""
+        self._check_waitable()
+        self.submit_put(keys, rows, after).result(timeout)
+
+    def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> None:
+        """``submit_get(...).result(timeout)``: waits for the rows to be loaded (not from the
+        store's own thread). A timeout leaves the get running: its rows stay in use until it ends."""
+        self._check_waitable()
+        self.submit_get(keys, rows, after).result(timeout)
+
+    def close(self) -> None:
+        """Refuse new calls, finish those submitted, close the store, join its thread. Returns only
+        once all that is done (a second call waits for the first). Not from the store's thread."""
+        self._check_waitable()
+        with self._close_lock:
+            with self._lock:
+                if self._closing and not self._loop.thread.is_alive():
+                    return
+                self._closing = True
+            try:
+                self._loop.run(self.store.aclose())  # queued behind every call submitted before
+            finally:
+                self._loop.close()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise EngineClosedError("SyncBlockStore is closed")
+
+    def _check_waitable(self) -> None:
+        if self._loop.in_thread():
+            raise RuntimeError("a blocking SyncBlockStore call on the store's own thread would wait for itself; "
+                               "use submit_put/submit_get there")
+
+
+def _rows(rows: Iterable[int]) -> list[int]:
+    """The rows as they are when the call is submitted (the caller may reuse its list)."""
+    return list(rows.tolist() if hasattr(rows, "tolist") else rows)
