@@ -262,3 +262,38 @@ async def test_a_slowed_gpu_never_hands_a_slot_on_before_its_copy(tmp_path: Path
         # native, kept: in native pumps (their copy jobs on the native copier); else block by block
         assert (engine.stats()["pumped_batches"] > 0) == (copier == "native" and protection == "kept")
     assert (wrong == 0) if protection == "kept" else (wrong > 0)
+
+
+_HOG_SOURCE = r"""
+extern "C" __global__ void ukv_test_hog(int cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
+async def test_a_load_returns_only_after_its_copies_ran_on_a_busy_gpu(tmp_path: Path) -> None:
+    """Every SM held by another stream's kernel (~0.2 s): the staged path's scatter kernel waits for
+    a free SM, while the host-to-device copy before it does not (a copy engine moves it). A load
+    must not return before the scatter ran: its copy event is recorded after the copies. Read
+    right after the load by a device-to-host copy (no SM needed either), the block must hold the
+    loaded bytes; an event recorded before the copies would return the load with zeros there."""
+    caches = bf16_layers(layers=4, blocks=8)
+    async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=4) as engine:
+        assert engine.stats()["copy"].startswith("staged")
+        for t in caches.values():
+            t[1].fill_(3.0)
+        await engine.store_batch([1], [2])
+        for t in caches.values():
+            t[5].zero_()
+        torch.cuda.synchronize()
+        hog = torch.cuda._compile_kernel(_HOG_SOURCE, "ukv_test_hog")
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        busy = torch.cuda.Stream()
+        hog(grid=(2 * sms, 1, 1), block=(1024, 1, 1), args=[400_000_000], stream=busy)  # 2 × 1024 threads: full SMs
+        await engine.load_batch([2], [5])
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            landed = [t[5].to("cpu") for t in caches.values()]
+        busy.synchronize()
+        assert all(bool((block == 3.0).all()) for block in landed)

@@ -150,7 +150,10 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"bench: {message}", file=sys.stderr, flush=True)
 
         result = asyncio.run(run_bench(config, report))
-    render(result, Console(highlight=False), verbose=args.verbose)
+    screen = Console(highlight=False)
+    if not screen.is_terminal and "COLUMNS" not in os.environ:
+        screen = Console(highlight=False, width=100)  # a file or a pipe: the width the output is made for
+    render(result, screen, verbose=args.verbose)
     if args.json:
         with open(args.json, "w") as out:
             out.write(to_json(result))
@@ -158,6 +161,18 @@ def _bench(args: argparse.Namespace) -> int:
         plot(result, args.plot)
     print(to_json(result) if args.print_json else f"verified: {'all' if result['all_verified'] else 'NOT ALL'}")
     return 0 if result["all_verified"] else 1
+
+
+def _bench_vllm(args: argparse.Namespace) -> int:
+    from uring_kv.integrations import vllm_bench
+
+    for size in args.row_size or []:
+        if size % 4096:
+            raise UsageError(f"--row-size {size}: vLLM's rows are whole pages (a multiple of 4096 bytes)")
+    args.path = _directory(args.path)
+    rows = max(args.row_size or [2 << 20])
+    _free_space(args.path, 2 * max(args.bytes, args.job * rows) + args.job * rows)  # both tiers' files at once
+    return vllm_bench.main(args)
 
 
 def info(path: str | None) -> tuple[dict[str, Any], str | None]:
@@ -317,6 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--print-json", action="store_true", help="print the JSON to stdout")
     bench.add_argument("--plot", help="write a PNG of GB/s by block size and method")
     bench.set_defaults(func=_bench)
+    bench_vllm = sub.add_parser("bench-vllm", formatter_class=defaults,
+                                help="UringKVTier against vLLM's own file-system tier (needs vLLM)")
+    bench_vllm.add_argument("--path", help="directory for both tiers' files (default: the temp directory)")
+    bench_vllm.add_argument("--row-size", type=_size, action="append",
+                            help="bytes per primary row, vLLM's chunk (repeatable; default 128K and 2M)")
+    bench_vllm.add_argument("--bytes", type=_size, default=1 << 30, help="bytes each tier stores per row size")
+    bench_vllm.add_argument("--job", type=_at_least(1), default=16, help="rows per job (a request's chunks)")
+    bench_vllm.add_argument("--jobs", type=_at_least(1), default=8, help="jobs in flight at most")
+    bench_vllm.add_argument("--json", help="write the results as JSON to this file")
+    bench_vllm.set_defaults(func=_bench_vllm)
     info_parser = sub.add_parser("info", help="what uring_kv would use on this machine")
     info_parser.add_argument("--path", help="directory to probe for O_DIRECT (default: the temp directory)")
     info_parser.set_defaults(func=_info)

@@ -1,0 +1,167 @@
+"""uring_kv as a secondary tier of vLLM's KV offloading (``vllm/v1/kv_offload/tiering``).
+
+vLLM keeps offloaded KV in a CPU *primary* region (one row per chunk, shared memory) and cascades
+rows to secondary tiers, promoting them back on a primary miss. This tier keeps those rows in one
+file through a :class:`uring_kv.BlockStore` (CPU mode over the primary region: io_uring reads and
+writes straight between the file and the rows), with a hard capacity and LRU eviction. Configure
+it in ``kv_connector_extra_config``::
+
+    "secondary_tiers": [{"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm",
+                         "root_dir": "/nvme/kv", "capacity_bytes": 500_000_000_000}]
+
+How it answers vLLM's contract (``SecondaryTierManager``; every call comes from the scheduler's
+thread and must not block):
+
+* ``lookup``: the store's index, read on the calling thread (no I/O, no wait): HIT for a key whose
+  bytes are in the file, MISS otherwise. A key whose store or load failed is a MISS from then on,
+  so a failed promotion is never retried forever (vLLM #49176).
+* ``submit_store`` / ``submit_load``: handed to the store's own thread, returning at once; keys
+  already held are not written again. A key that was evicted between the lookup and its load fails
+  that job for that key only (``successful_keys`` names the others).
+* ``get_finished_jobs``: every job that ended since the last call, each exactly once, with the
+  time it took and the bytes it moved (what vLLM's backpressure detector weighs).
+* ``drain_jobs``: waits until every submitted job has reported. ``shutdown``: finishes the jobs in
+  flight, closes the store (its file has no name: nothing is left on disk) and lets go of the
+  primary region, so vLLM can unmap it.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError
+from uring_kv.sync import SyncBlockStore
+
+
+class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
+    """A vLLM secondary tier on a uring_kv block store (see the module docstring).
+
+    Configuration keys (beyond vLLM's own ``type``, ``module_path``, ``backpressure``):
+    ``root_dir`` (the directory of the file), ``capacity_bytes`` (the most the file holds: rows
+    are evicted, least recently used first, to stay within it), and optionally ``num_slots``
+    (staging slots, default 16), ``io_depth`` (reads and writes in flight; default: the slots),
+    ``direct`` (None: O_DIRECT where the filesystem takes it), ``io`` ("auto", "uring",
+    "threads")."""
+
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, root_dir: str, capacity_bytes: int, num_slots: int = 16,
+                 io_depth: int | None = None, direct: bool | None = None, io: str | None = None,
+                 locality: str | None = None) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        rows = np.asarray(primary_kv_view)
+        if rows.ndim != 2 or not rows.flags.c_contiguous:
+            raise ValueError(f"UringKVTier: the primary view must be C-contiguous rows, got shape {rows.shape}")
+        self._row_bytes = int(rows.strides[0])
+        # The rows as the engine's one cache tensor (dim 0 = chunk), sharing the region's memory.
+        self._store: SyncBlockStore | None = SyncBlockStore(
+            {"primary": torch.from_numpy(rows)}, f"{root_dir.rstrip('/')}/uring-kv-vllm-tier.bin",
+            capacity_bytes=capacity_bytes, num_slots=num_slots, io_depth=io_depth, direct=direct, io=io)
+        del rows
+        self._finished: collections.deque[JobResult] = collections.deque()
+        self._outstanding = 0
+        self._settled = threading.Condition()
+
+    # ---------------------------------------------------------------- lookups
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        store = self._store
+        return LookupResult.HIT if store is not None and store.contains(key) else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    # ---------------------------------------------------------------- transfers
+    def submit_store(self, job: TransferJob) -> None:
+        self._submit(job, False)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self._submit(job, True)
+
+    def _submit(self, job: TransferJob, load: bool) -> None:
+        keys = [bytes(key) for key in job.keys]
+        rows = [int(row) for row in job.chunk_ids]
+        store = self._store
+        with self._settled:
+            self._outstanding += 1
+        if store is None:
+            self._report(job, keys, [], 0)
+            return
+        if load:  # keys evicted since their lookup fail alone; the others load
+            present = [(k, r) for k, r in zip(keys, rows, strict=True) if store.contains(k)]
+            moving, rows = [k for k, _ in present], [r for _, r in present]
+        else:
+            moving = keys
+        try:
+            future = store.submit_get(moving, rows) if load else store.submit_put(moving, rows)
+        except EngineClosedError:
+            self._report(job, keys, [], 0)
+            return
+        start = time.monotonic()
+        future.add_done_callback(lambda done: self._done(job, keys, moving, done, start))
+
+    def _done(self, job: TransferJob, keys: list[bytes], moving: list[bytes], future: Future[None],
+              start: float) -> None:
+        """On the store's thread: the keys that made it, then the job's result."""
+        error = future.exception()
+        if error is None:
+            ok = moving
+        elif isinstance(error, KeyIOError):
+            ok = [key for key in moving if key not in error.failures]
+        elif isinstance(error, KeyMissingError):  # evicted between the check and the load
+            ok = []
+        else:
+            ok = []
+        self._report(job, keys, ok, time.monotonic() - start)
+
+    def _report(self, job: TransferJob, keys: list[bytes], ok: list[bytes], seconds: float) -> None:
+        success = len(ok) == len(keys)
+        result = JobResult(job_id=job.job_id, success=success, transfer_time=seconds,
+                           transfer_bytes=len(ok) * self._row_bytes,
+                           successful_keys=None if success or not job.is_promotion else
+                           [OffloadKey(key) for key in ok])
+        with self._settled:
+            self._finished.append(result)
+            self._outstanding -= 1
+            self._settled.notify_all()
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        done = []
+        while self._finished:
+            done.append(self._finished.popleft())
+        return done
+
+    def has_pending_work(self) -> bool:
+        return bool(self._outstanding or self._finished)
+
+    def drain_jobs(self) -> None:
+        with self._settled:
+            self._settled.wait_for(lambda: self._outstanding == 0)
+
+    # ---------------------------------------------------------------- end
+    def shutdown(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()  # the jobs submitted finish (and report) first
+            del store
+            gc.collect()  # the engine's last references to the rows: vLLM can then unmap its region
+        self.drain_jobs()
+
+    def stats(self) -> dict[str, int]:
+        """The block store's counters (keys held, capacity, evictions, failures)."""
+        store = self._store
+        return store.stats() if store is not None else {}
+
+
+__all__ = ["UringKVTier"]
