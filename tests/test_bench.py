@@ -506,7 +506,7 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
 
 
 def test_ring_idle_tool_reads_through_every_ring_set_up(tmp_path: Path) -> None:
-    """tools/ring_idle.c, the C program behind benchmarks.md's figures on batches after idle time,
+    """tools/ring_idle.c, the C program behind deployment.md's figures on batches after idle time,
     builds against the liburing the extension links, times batches right after another and after a
     gap through all six ring set-ups (every read checked for its full length), and removes its file."""
     import importlib.util

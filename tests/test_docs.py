@@ -1,12 +1,24 @@
-"""The docs that can drift: the generated API reference and the README's two commands."""
+"""The docs that can drift: the generated API reference, the README's two commands, design.md's
+module map and the figures the docs link."""
 
 from __future__ import annotations
 
+import ast
+import fnmatch
+import re
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "uring_kv"
+
+# Compiled extensions: import name -> the C file under uring_kv/ they are built from (build_ffi.py).
+# cffi writes its generated source next to the package as <extension>.c: a build output, not a module.
+EXTENSIONS = {"uring_kv._native_c": "_native.c"}
+GENERATED = {name.rsplit(".", 1)[1] + ".c" for name in EXTENSIONS}
+MAP_HEADER = "| module | responsibility | may import |"
 
 
 def test_api_reference_is_generated_from_current_docstrings() -> None:
@@ -19,3 +31,105 @@ def test_readme_names_the_two_commands_and_ci_runs_the_test_one() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "./dev bench" in readme and "./dev test" in readme
     assert "./dev test" in (ROOT / ".ci" / "run").read_text()
+
+
+def _package_files() -> set[str]:
+    """Every .py and .c file under uring_kv/, relative to it, less build outputs."""
+    found = set()
+    for path in PACKAGE.rglob("*"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if path.suffix in (".py", ".c") and path.is_file() and "__pycache__" not in path.parts and rel not in GENERATED:
+            found.add(rel)
+    return found
+
+
+def _file_of(module: str) -> str | None:
+    """The file under uring_kv/ that a dotted uring_kv module name loads, or None if none does."""
+    if module in EXTENSIONS:
+        return EXTENSIONS[module]
+    parts = module.split(".")
+    if parts[0] != "uring_kv":
+        return None
+    rel = "/".join(parts[1:])
+    for candidate in ([f"{rel}.py", f"{rel}/__init__.py"] if rel else ["__init__.py"]):
+        if (PACKAGE / candidate).is_file():
+            return candidate
+    return None
+
+
+def _runtime_nodes(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
+    """Every node, at any depth, except those under ``if TYPE_CHECKING:`` (its ``else`` counts)."""
+    for node in nodes:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            yield from _runtime_nodes(node.orelse)
+            continue
+        yield node
+        yield from _runtime_nodes(ast.iter_child_nodes(node))
+
+
+def _imports(rel: str) -> set[str]:
+    """The files under uring_kv/ that ``rel`` imports: for Python every import statement, at module
+    level or in a function, outside ``if TYPE_CHECKING:``; for C its quoted #includes of package files.
+    A uring_kv name that loads no file is returned as written, so that it shows up as a mismatch."""
+    path = PACKAGE / rel
+    if path.suffix == ".c":
+        includes = re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.MULTILINE)
+        return {(path.parent / inc).resolve().relative_to(PACKAGE).as_posix()
+                for inc in includes if (path.parent / inc).resolve().is_relative_to(PACKAGE)}
+    package = ["uring_kv", *Path(rel).with_suffix("").parts][:-1]
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path)).body):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "uring_kv":
+                    found.add(_file_of(alias.name) or alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if module.split(".")[0] != "uring_kv":
+                continue
+            for alias in node.names:  # `from uring_kv import store` names a module; `import Engine` does not
+                found.add(_file_of(f"{module}.{alias.name}") or _file_of(module) or module)
+    return found
+
+
+def _module_map() -> dict[str, set[str]]:
+    """design.md's module map: file -> the files its "may import" cell names (backquoted; "—" for none)."""
+    lines = (ROOT / "docs" / "design.md").read_text().splitlines()
+    assert MAP_HEADER in lines, f"docs/design.md has no module map (a table headed {MAP_HEADER!r})"
+    rows: dict[str, set[str]] = {}
+    for line in lines[lines.index(MAP_HEADER) + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        assert len(cells) == 3, f"module map row without three cells: {line}"
+        names = re.findall(r"`([^`]+)`", cells[0])
+        assert len(names) == 1, f"module map row must name one file in backquotes: {line}"
+        assert names[0] not in rows, f"module map names {names[0]} twice"
+        rows[names[0]] = set(re.findall(r"`([^`]+)`", cells[2]))
+    return rows
+
+
+def test_design_module_map_matches_the_package() -> None:
+    """Every .py/.c file under uring_kv/ has exactly one row, every row names a file that exists, and
+    each row's "may import" lists exactly the package files that file imports (see _imports)."""
+    table = _module_map()
+    tree = {rel: _imports(rel) for rel in _package_files()}
+    problems = [f"{rel}: no row" for rel in sorted(tree.keys() - table.keys())]
+    problems += [f"{rel}: a row, but no such file under uring_kv/" for rel in sorted(table.keys() - tree.keys())]
+    for rel in sorted(tree.keys() & table.keys()):
+        if missing := sorted(tree[rel] - table[rel]):
+            problems.append(f"{rel}: imports {', '.join(missing)}, not listed under 'may import'")
+        if extra := sorted(table[rel] - tree[rel]):
+            problems.append(f"{rel}: 'may import' lists {', '.join(extra)}, which it does not import")
+    assert not problems, "docs/design.md's module map disagrees with uring_kv/; update the table:\n" + \
+        "\n".join(problems)
+
+
+def test_docs_link_every_figure_and_every_linked_figure_exists() -> None:
+    files = sorted(path.name for path in (ROOT / "docs" / "figures").iterdir())
+    docs = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    links = {link for doc in docs for link in re.findall(r"figures/([\w.*\-]+)", doc.read_text())}
+    assert not [link for link in links if not fnmatch.filter(files, link)], "a doc links a figure that is gone"
+    unlinked = [name for name in files if not any(fnmatch.fnmatch(name, link) for link in links)]
+    assert not unlinked, f"docs/figures/ holds files no doc links (remove them): {unlinked}"

@@ -1,7 +1,7 @@
 """What a pause before a load batch changes inside it: the loop's sleeps and wake-ups, the reaps.
 
 On the H200 machine a 128 KiB load batch that follows a pause took 1-2 ms longer than one right
-after another (benchmarks.md, 2026-12-03, 19:50-20:35 UTC). This loads random 256-block batches
+after another (H200 machine, 2026-12-03). This loads random 256-block batches
 through one engine (O_DIRECT, 32 layers, 48 slots at depth 32 as the bench sets up on a GPU, or ``--slots``),
 alternating runs of batches back to back with runs where each batch follows ``--idle-ms`` of
 sleep, and times inside each batch: the loop's ``select()`` calls (how long it slept), the ring's

@@ -34,7 +34,6 @@ from uring_kv import _peers
 from uring_kv._engine import PUMP_INLINE_PASS_BYTES, Engine, slots_copy_inline
 from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
-from uring_kv._report import kind_of
 
 # --peers names: vLLM's DiskBackend, a thread pool, KvikIO, fio, the ring ceiling
 PEERS = ("vllm-disk", "threads", "kvikio", "fio", "ceiling")
@@ -355,6 +354,13 @@ async def _measure(work: Workload, methods: dict[str, Method], op: str, fd: int,
                     _sync(work.device)
                     tally.verified = name == "ring ceiling" or work.verify(disk_blocks, gpu_blocks)
     return tallies
+
+
+def kind_of(method: str) -> str:
+    """"uring_kv", "peer" or "ceiling"."""
+    if method.startswith("uring_kv"):
+        return "uring_kv"
+    return "ceiling" if method in ("ring ceiling", "fio", "pcie ceiling") else "peer"
 
 
 def _row(work: Workload, op: str, case: str, method: str, tally: _Tally) -> Row:

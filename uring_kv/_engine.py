@@ -351,7 +351,7 @@ class Engine:
 
     def _open_rest(self) -> None:
         # IOSQE_ASYNC (URING_KV_SQE_ASYNC=1 / 0 forces it on / off for every SQE), measured on the
-        # H200 machine (benchmarks.md):
+        # H200 machine (2026-12-03):
         # - reads of a buffered file: a page-cache hit would be copied inside io_uring_enter, on the
         #   loop thread;
         # - O_DIRECT reads and writes wherever the copies are the native copier's (GPU mode, and CPU

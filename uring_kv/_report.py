@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from uring_kv._bench import BenchConfig, kind_of, recommend_depth, staging_slots
+
 # What each method is, for the verdict and the table's legend
 LABELS = {"vllm-disk": "vLLM DiskBackend", "fio": "fio", "ring ceiling": "ring limit", "pcie ceiling": "PCIe limit"}
 LIMITS = {"ring ceiling": "disk limit", "fio": "fio"}  # the ceilings the verdict names, as it names them
@@ -42,13 +44,6 @@ def _size(nbytes: float) -> str:
             value = nbytes / (1 << shift)
             return f"{value:.0f} {unit}" if value == int(value) or value >= 10 else f"{value:.1f} {unit}"
     return f"{nbytes:.0f} B"
-
-
-def kind_of(method: str) -> str:
-    """"uring_kv", "peer" or "ceiling"."""
-    if method.startswith("uring_kv"):
-        return "uring_kv"
-    return "ceiling" if method in ("ring ceiling", "fio", "pcie ceiling") else "peer"
 
 
 def _rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -110,8 +105,6 @@ def sizing(result: dict[str, Any]) -> list[str]:
     of its block size's sweep and averaged over the block sizes, reaches 0.95) and the slots and
     pinned memory it costs."""
     import torch
-
-    from uring_kv._bench import BenchConfig, recommend_depth, staging_slots
 
     swept = [(int(size), {int(d): r for d, r in extra["depth_sweep"].items()}, extra["cold"]["stride"])
              for size, extra in result["extra"].items() if extra.get("depth_sweep") and "cold" in extra]

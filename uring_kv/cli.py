@@ -22,6 +22,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message.removeprefix('argument ')}\n")
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, except for flags (which have none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.nargs == 0 else super()._get_help_string(action)
+
+
 class UsageError(Exception):
     """A bad option found after parsing (a path, the free space, the device): exit status 2."""
 
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="uring-kv", description="KV-cache block offload through io_uring")
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _Defaults
     bench = sub.add_parser("bench", help="measure loads and stores against peers and ceilings",
                            formatter_class=defaults)
     bench.add_argument("--path", help="directory for the block file (default: the temp directory)")
