@@ -464,7 +464,7 @@ def test_info_names_the_fallback_cause(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
-    """tools/bench_order.py groups each batch time by the method that ran just before it, from the
+    """lab/bench_order.py groups each batch time by the method that ran just before it, from the
     JSON alone: it must replay the rotation `_measure` really used. Each stub method reports the
     call's position as its time, so every group can be checked against the recorded calls."""
     import importlib.util
@@ -472,7 +472,7 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
 
     from uring_kv._bench import _measure
 
-    spec = importlib.util.spec_from_file_location("bench_order", Path(__file__).parents[1] / "tools" / "bench_order.py")
+    spec = importlib.util.spec_from_file_location("bench_order", Path(__file__).parents[1] / "lab" / "bench_order.py")
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
@@ -506,7 +506,7 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
 
 
 def test_ring_idle_tool_reads_through_every_ring_set_up(tmp_path: Path) -> None:
-    """tools/ring_idle.c, the C program behind deployment.md's figures on batches after idle time,
+    """lab/ring_idle.c, the C program behind deployment.md's figures on batches after idle time,
     builds against the liburing the extension links, times batches right after another and after a
     gap through all six ring set-ups (every read checked for its full length), and removes its file."""
     import importlib.util
@@ -522,7 +522,7 @@ def test_ring_idle_tool_reads_through_every_ring_set_up(tmp_path: Path) -> None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler, "a C compiler builds the extension; it must be here"
     exe, data = tmp_path / "ring_idle", tmp_path / "data.bin"
-    subprocess.run([compiler, "-O2", "-Wall", "-Werror", "-o", str(exe), str(root / "tools" / "ring_idle.c"),
+    subprocess.run([compiler, "-O2", "-Wall", "-Werror", "-o", str(exe), str(root / "lab" / "ring_idle.c"),
                     f"-I{include}", archive], check=True)
     out = subprocess.run([str(exe), str(data), "8", "2", "1", "4", "8", "32"], check=True, capture_output=True,
                          text=True, timeout=120).stdout

@@ -5,7 +5,7 @@ load run (twice each: the first pair pays for growing the file and warming the a
 prints per call its wall time, callback count, longest callback and longest collections. This is
 the check behind the large-batch admission rule in docs/reliability.md.
 
-    python -P tools/large_batch_stalls.py --blocks 50000 --io uring --device cpu
+    python -P lab/large_batch_stalls.py --blocks 50000 --io uring --device cpu
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ included), submitting SQEs (``io_uring_enter``: O_DIRECT submissions can wait th
 queue), queueing copies, collecting the native copier's finished jobs (C, pumps' slots moved on
 included), and the rest (Python handlers), with how many completions each reaped.
 
-    python tools/loop_stalls.py --block-size 128K --direct --batches 4
+    python lab/loop_stalls.py --block-size 128K --direct --batches 4
 """
 
 from __future__ import annotations

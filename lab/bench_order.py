@@ -7,7 +7,7 @@ first `config.warmup` rounds are not in `batch_ms`) and prints, per method, the 
 after each predecessor, and whether the predecessor had just read or written the same blocks
 (the same round) or other ones (the previous round).
 
-    python tools/bench_order.py RESULT.json [...] [--op load] [--case cold]
+    python lab/bench_order.py RESULT.json [...] [--op load] [--case cold]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
  * Registered buffers in every set-up, one slot per read in flight. Prints a table of medians
  * (batch time, time to the first completion) and the same as one JSON line.
  *
- *   cc -O2 -o ring_idle tools/ring_idle.c -luring
+ *   cc -O2 -o ring_idle lab/ring_idle.c -luring
  *   ./ring_idle FILE [MIB=1024] [ROUNDS=20] [GAP_MS=100] [BLOCK_KIB=128] [DEPTH=32] [BATCH=256]
  *
  * FILE is written first (MIB of real data, so no read hits a hole) and removed at the end; it is

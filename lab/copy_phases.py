@@ -14,7 +14,7 @@ the phases are what to compare. The stamps wrap the Python copy path (submit thr
 in Python), so this sets ``URING_KV_NATIVE_COPIER=0`` unless told otherwise. CPU caches work too
 (``--device cpu``, then the copy phases are empty: the host copier is not wrapped).
 
-    python tools/copy_phases.py [--block-size 131072] [--slots 32] [--rounds 9] [--device cuda]
+    python lab/copy_phases.py [--block-size 131072] [--slots 32] [--rounds 9] [--device cuda]
 """
 
 from __future__ import annotations

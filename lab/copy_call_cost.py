@@ -4,7 +4,7 @@ For groups of 1..32 blocks of 32 layer tensors, times the driver call that the c
 threads make (``BlockCopier.cuda``), with cuMemcpyBatchAsync and with per-copy calls, for H2D (load)
 and D2H (store). This is why copies are enqueued off the event loop, in calls of few blocks.
 
-    python tools/copy_call_cost.py [--block-size 131072]
+    python lab/copy_call_cost.py [--block-size 131072]
 """
 
 from __future__ import annotations

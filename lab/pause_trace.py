@@ -11,7 +11,7 @@ wake-ups (completions found per reap, reads in flight before and after it, how l
 "In flight" counts the pump's reads from submission until their completion is reaped (a read the
 disk has finished stays counted until the loop reaps it).
 
-    python tools/pause_trace.py [--block-size 131072] [--rounds 6] [--per-round 4] [--idle-ms 100] [--slots 48]
+    python lab/pause_trace.py [--block-size 131072] [--rounds 6] [--per-round 4] [--idle-ms 100] [--slots 48]
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ writes the same.
 ``bench``: ``uring-kv bench`` with the hop set by ``--hop on|off``, the remaining arguments
 passed on (run it alternately for an A/B of the whole bench).
 
-    python tools/start_hop_ab.py lag [--device cpu] [--rounds 20] [--block-kib 128] [--json F]
-    python tools/start_hop_ab.py bench --hop off -- --json off.json
+    python lab/start_hop_ab.py lag [--device cpu] [--rounds 20] [--block-kib 128] [--json F]
+    python lab/start_hop_ab.py bench --hop off -- --json off.json
 """
 
 from __future__ import annotations

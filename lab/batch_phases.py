@@ -10,7 +10,7 @@ followed (or, with ``--swap``, preceded) by the ring ceiling's C loop on the sam
 ``--idle-ms G`` leaves the process idle for G ms before each batch of either method (the bench's
 other methods leave uring_kv's threads idle for ~0.7 s between its batches).
 
-    python tools/batch_phases.py [--block-size 131072] [--rounds 24] [--device cuda] [--swap] [--ticker]
+    python lab/batch_phases.py [--block-size 131072] [--rounds 24] [--device cuda] [--swap] [--ticker]
                                  [--idle-ms 0]
 """
 

@@ -4,7 +4,7 @@ Loads random batches through one engine with the ring's submit and wake-up paths
 prints the time-weighted number of reads in flight, completions per wake-up, and for each
 completion round how long the loop took from the wake-up to the next submission.
 
-    python tools/ring_trace.py --block-kib 16 --direct --batches 20
+    python lab/ring_trace.py --block-kib 16 --direct --batches 20
 """
 
 from __future__ import annotations

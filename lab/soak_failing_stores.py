@@ -5,7 +5,7 @@ puts the block file on it, and every millisecond or so makes writes to four rand
 disk blocks fail with EIO while 12 workers load and store (10 % cancelled). Prints the soak's
 summary line: ``corrupt`` counts loads that returned a failed store's version or stale bytes.
 
-    python -P tools/soak_failing_stores.py --blocks 300000 --io uring
+    python -P lab/soak_failing_stores.py --blocks 300000 --io uring
 """
 
 from __future__ import annotations
