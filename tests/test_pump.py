@@ -474,3 +474,36 @@ async def test_an_op_waiting_behind_a_pump_goes_when_its_copy_jobs_hand_slots_ba
                 await engine.load_batch([3], [7])
         assert [identify(caches, g) for g in range(4, 8)] == [(d, 1, True) for d in range(4)]
         assert engine.stats()["pumped_batches"] == 2  # store_identity's, the first load
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+async def test_o_direct_loads_read_straight_into_page_aligned_caches(tmp_path: Path, aligned: bool) -> None:
+    """CPU mode with O_DIRECT: rows of page-aligned memory whose size is a multiple of the file's
+    alignment (vLLM's and SGLang's host pools) are read straight into, one readv per block; rows
+    that are not go through the slots. Both move the exact bytes, many batches over few slots."""
+    import mmap
+
+    import numpy as np
+
+    rows, row = 24, 8192 if aligned else 8192 + 64
+    memory = mmap.mmap(-1, rows * row)  # page-aligned
+    caches = {"rows": torch.from_numpy(np.frombuffer(memory, dtype=np.int8).reshape(rows, row))}
+    source = torch.randint(-128, 127, (64, row), dtype=torch.int8)
+    rng = random.Random(5)
+    try:
+        async with Engine(caches, tmp_path / "kv.bin", 64, 4) as engine:
+            if not engine.file.direct:
+                pytest.skip(f"no O_DIRECT here: {engine.file.reason}")
+            assert engine.stats()["loads_into_caches"] is aligned
+            for first in range(0, 64, rows):
+                chosen = list(range(first, min(first + rows, 64)))
+                caches["rows"][:len(chosen)] = source[chosen]
+                await engine.store_batch(list(range(len(chosen))), chosen)
+            for _ in range(10):
+                disk = rng.sample(range(64), rows)
+                caches["rows"].zero_()
+                await engine.load_batch(disk, list(range(rows)))
+                assert torch.equal(caches["rows"], source[disk])
+            assert engine.stats()["pumped_batches"] >= 10
+    finally:
+        del caches

@@ -414,9 +414,14 @@ class Engine:
             dev_slots = self.copier.pump_dev_slots([lease.addr for lease in self.pool.leases])
             self._pump_copies = PumpCopies(link.jobs, self._copy_call_blocks, dev_slots)
             link.take = functools.partial(self.io.copies_done, link.jobs)
-        # Pumped loads of a buffered file read straight into the cache tensors in CPU mode (O_DIRECT
-        # would need every piece aligned; IOV_MAX bounds the pieces of one read).
-        self._pump_scatter = (not self.gpu and not self.file.direct and len(self._tensors) <= PUMP_SCATTER_MAX_TENSORS
+        # Pumped loads read straight into the cache tensors in CPU mode: from a buffered file, or with
+        # O_DIRECT where every piece of every block starts and ends on the file's alignment (rows of
+        # page-aligned memory, as vLLM's and SGLang's host pools are); IOV_MAX bounds the pieces.
+        align = self.file.alignment
+        aligned = all(int(t.data_ptr()) % align == 0 and nbytes % align == 0
+                      for t, nbytes in zip(self._tensors, self._tensor_block_bytes, strict=True))
+        self._pump_scatter = (not self.gpu and (not self.file.direct or aligned)
+                              and len(self._tensors) <= PUMP_SCATTER_MAX_TENSORS
                               and os.environ.get("URING_KV_PUMP_SCATTER", "1") != "0")
 
     def _release(self) -> None:
@@ -560,8 +565,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """The gauges of :meth:`metrics`, the number of active batches, how many batches ran in
         native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
-        kept unnamed, fixed buffers,
-        pinned bytes, event loop."""
+        kept unnamed, fixed buffers, pinned bytes, event loop, and whether pumped loads read straight
+        into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned)."""
         return {
             **self._gauges(),
             "active_batches": len(self._active),
@@ -574,6 +579,7 @@ class Engine:
             "pinned_bytes": self.pool.slab.size,
             "io_depth": self.io_depth,
             "loop": self._svc.name,
+            "loads_into_caches": self._pumped_batches and self._pump_scatter,
         }
 
     # ----------------------------------------------------------------- public API
