@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from uring_kv._bridge import Bridge
 from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer
 from uring_kv._file import BlockFile
-from uring_kv._io import IOBackend, Op, UringBackend, open_backend
+from uring_kv._io import IOBackend, Op, PumpRing, open_backend
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
 from uring_kv._native import (
@@ -404,16 +404,16 @@ class Engine:
         # 32 × 128 KiB took 1.3 ms on the CPU machine); else jobs for the native copier (GPU
         # mode, large or slowed host copies, many slots), whose finished jobs the ring then collects
         # (their slots move on in C).
-        uring = isinstance(self.io, UringBackend) and os.environ.get("URING_KV_PUMP", "1") != "0"
+        ring = self.io.pump_ring() if os.environ.get("URING_KV_PUMP", "1") != "0" else None
         inline = isinstance(self.copier, HostCopier) and self.copier.inline_blocks >= 1 and few_slots
         link = self.copier.link
         self._pump_copies: PumpCopies | None = None
-        self._pumped_batches = uring and not self.checksum and (inline or link is not None)
-        if self._pumped_batches and not inline and link is not None:
-            assert isinstance(self.io, UringBackend)
+        self._pumped_batches = ring is not None and not self.checksum and (inline or link is not None)
+        self._ring: PumpRing | None = ring  # the ring pumps run on (None: this backend has none)
+        if ring is not None and self._pumped_batches and not inline and link is not None:
             dev_slots = self.copier.pump_dev_slots([lease.addr for lease in self.pool.leases])
             self._pump_copies = PumpCopies(link.jobs, self._copy_call_blocks, dev_slots)
-            link.take = functools.partial(self.io.copies_done, link.jobs)
+            link.take = functools.partial(ring.copies_done, link.jobs)
         # Pumped loads read straight into the cache tensors in CPU mode: from a buffered file, or with
         # O_DIRECT where every piece of every block starts and ends on the file's alignment (rows of
         # page-aligned memory, as vLLM's and SGLang's host pools are); IOV_MAX bounds the pieces.
@@ -705,11 +705,12 @@ class Engine:
 
     def _pumped(self, kind: Kind, args: _Args) -> Generator[None, None, _Pumped | None]:
         """A batch for a native pump, its hazards registered per batch; None when no pump is free."""
-        assert isinstance(self.io, UringBackend)
+        ring = self._ring
+        assert ring is not None  # only called when batches are pumped
         holder: list[_Pumped] = []
         disk, n = args.disk, len(args.disk)
         try:
-            pump = self.io.pump(kind is Kind.STORE, self.file.fd, self.file.stride, self._blocks,
+            pump = ring.pump(kind is Kind.STORE, self.file.fd, self.file.stride, self._blocks,
                                 self.file.offsets(args.disk_c, n), args.gpu_c, n, self.pool.waiting, self.num_slots,
                                 lambda: self._pump_progress(holder[0]), inline=self._pump_inline,
                                 scatter=kind is Kind.LOAD and self._pump_scatter, copies=self._pump_copies)
@@ -804,8 +805,8 @@ class Engine:
         for lease in leases:
             indices.append(lease.index)
             addrs.append(lease.addr)
-        assert isinstance(self.io, UringBackend)
-        self.io.pump_slots(run.pump, indices, addrs)
+        assert self._ring is not None
+        self._ring.pump_slots(run.pump, indices, addrs)
         self._pump_progress(run)
 
     def _pump_progress(self, run: _Pumped) -> None:
@@ -815,8 +816,8 @@ class Engine:
         pump = run.pump
         released = pump.take_released()
         if released:
-            assert isinstance(self.io, UringBackend)
-            self.io.pump_returned(len(released))
+            assert self._ring is not None
+            self._ring.pump_returned(len(released))
             leases, release = self.pool.leases, self.pool.release
             for index in released:
                 release(leases[index])  # PUMPING → FREE: the pump's last I/O and memcpy in it are done
@@ -833,8 +834,8 @@ class Engine:
 
     def _pump_finish(self, run: _Pumped) -> None:
         run.finished = True
-        assert isinstance(self.io, UringBackend)
-        self.io.pump_done(run.pump)
+        assert self._ring is not None
+        self._ring.pump_done(run.pump)
         batch, disk, started = run.batch, run.disk, run.pump.started
         failures = {disk[position]: code for position, code in run.pump.failures()}
         batch.failures.update(failures)

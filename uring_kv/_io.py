@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from uring_kv._env import env_count
 from uring_kv._loop import LoopServices, current_services
@@ -73,6 +73,23 @@ def check_result(res: int, expected: int, what: str) -> None:
         raise OSError(errno.EIO, f"{what}: short transfer ({res} of {expected} bytes)")
 
 
+class PumpRing(Protocol):
+    """What a backend that runs native pumps offers besides :class:`IOBackend` (io_uring's; see
+    :class:`UringBackend` for each method)."""
+
+    def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any,
+             nblocks: int, waiting: Any, max_slots: int, on_progress: Callable[[], None], inline: bool = False,
+             scatter: bool = False, copies: PumpCopies | None = None) -> NativePump: ...
+
+    def copies_done(self, jobs: CopyJobs) -> list[tuple[int, int, int, int]]: ...
+
+    def pump_slots(self, pump: NativePump, slots: Sequence[int], addrs: Sequence[int]) -> None: ...
+
+    def pump_returned(self, count: int) -> None: ...
+
+    def pump_done(self, pump: NativePump) -> None: ...
+
+
 class IOBackend(ABC):
     """What the engine needs from an I/O path. Methods are called on the event loop thread."""
 
@@ -84,6 +101,10 @@ class IOBackend(ABC):
         self.inflight = 0
         self.fixed_buffers = False
         self._idle: Any = None  # a future while drain() waits
+
+    def pump_ring(self) -> PumpRing | None:
+        """This backend as a ring that runs native pumps, or None where batches go block by block."""
+        return None
 
     @abstractmethod
     def submit(self, ops: Sequence[Op]) -> None:
@@ -207,6 +228,9 @@ class UringBackend(IOBackend):
         self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
         ring.reap_budget_ns = env_count("URING_KV_REAP_BUDGET_US", REAP_BUDGET_US) * 1000
         ring.pump_depth(self._capacity)  # pumps whose slots outnumber the depth park the rest
+
+    def pump_ring(self) -> PumpRing | None:
+        return self
 
     def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any,
              nblocks: int, waiting: Any, max_slots: int,
