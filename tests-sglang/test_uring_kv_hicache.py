@@ -205,6 +205,14 @@ def test_a_key_already_held_is_not_rewritten_and_a_repeated_key_is_written_once(
     assert pool.page_bytes(5) == first[0]
 
 
+def test_a_key_asked_twice_in_one_prefetch_fills_both_pages(backend: UringKVHiCacheStorage, pool: HostPool) -> None:
+    stored = pool.fill([0], seed=9)
+    assert backend.batch_set_v1(keys(1), slots([0])) == [True]
+    pool.fill([4, 5], seed=10)  # other bytes where the prefetch lands
+    assert backend.batch_get_v1(keys(1, 1), slots([4, 5])) == [True, True]
+    assert pool.page_bytes(4) == stored[0] and pool.page_bytes(5) == stored[0]
+
+
 def test_capacity_is_respected_and_evicted_keys_are_misses(tmp_path: Path, pool: HostPool) -> None:
     backend = make(tmp_path, pool, capacity_pages=4)
     try:

@@ -212,6 +212,55 @@ def test_a_key_evicted_before_its_load_fails_alone(tmp_path: Path) -> None:
         r.close()
 
 
+def test_a_key_evicted_while_its_load_waits_fails_alone(tmp_path: Path) -> None:
+    """The store's thread busy, a cascade queued that evicts K0, then a promotion of K0..K2 (all
+    HIT when vLLM looked): K0 fails alone, K1 and K2 load, and the job says so."""
+    import time
+
+    rows = np.zeros((8, ROW), dtype=np.int8)
+    tier = UringKVTier(None, memoryview(rows), "UringKVTier", root_dir=str(tmp_path), capacity_bytes=3 * ROW)
+    try:
+        ks = keys(0, 1, 2, 3)
+        ctx = ReqContext(req_id="r")
+        for i in range(4):
+            rows[i] = i + 1
+        tier.submit_store(TransferJob(job_id=1, keys=ks[:3], chunk_ids=np.array([0, 1, 2], np.int32),
+                                      is_promotion=False, req_context=ctx))
+        tier.drain_jobs()
+        assert [r.success for r in tier.get_finished_jobs()] == [True]
+
+        async def hold() -> None:  # the store's loop busy: the next two jobs queue behind it
+            time.sleep(0.3)
+
+        tier._store._loop.submit(hold())  # type: ignore[union-attr]
+        tier.submit_store(TransferJob(job_id=2, keys=[ks[3]], chunk_ids=np.array([3], np.int32), is_promotion=False,
+                                      req_context=ctx))  # evicts K0, the least recently used
+        tier.submit_load(TransferJob(job_id=3, keys=ks[:3], chunk_ids=np.array([4, 5, 6], np.int32),
+                                     is_promotion=True, req_context=ctx))
+        tier.drain_jobs()
+        results = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert results[2].success and results[2].transfer_bytes == ROW
+        assert not results[3].success and list(results[3].successful_keys) == ks[1:3]
+        assert results[3].transfer_bytes == 2 * ROW
+        assert (rows[5] == 2).all() and (rows[6] == 3).all() and not rows[4].any()
+    finally:
+        del rows
+        tier.shutdown()
+
+
+def test_a_cascade_of_keys_already_held_counts_no_bytes(run: Run) -> None:
+    """vLLM's backpressure weighs a store job's bytes: keys the tier already holds are not written
+    again, so they count for nothing."""
+    ks = keys(1, 2)
+    run.store("r1", ks)
+    tier = run.tier
+    tier.submit_store(TransferJob(job_id=77, keys=ks, chunk_ids=np.array([0, 1], np.int32), is_promotion=False,
+                                  req_context=ReqContext(req_id="again")))
+    tier.drain_jobs()
+    (result,) = [r for r in tier.get_finished_jobs() if r.job_id == 77]
+    assert result.success and result.transfer_bytes == 0
+
+
 def test_a_failed_store_is_never_a_hit(tmp_path: Path) -> None:
     """ENOSPC from a 1 MiB tmpfs under a tier allowed 4 MiB: the stores that did not fit report
     failure and their keys stay misses; the ones that fit promote byte-identical."""

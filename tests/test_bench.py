@@ -536,3 +536,31 @@ def test_ring_idle_tool_reads_through_every_ring_set_up(tmp_path: Path) -> None:
     assert not data.exists()
     bad = subprocess.run([str(exe), str(data), "8", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "bad arguments" in bad.stderr
+
+
+def test_a_store_method_that_writes_nothing_is_not_verified(tmp_path: Path) -> None:
+    """The checked store round starts from zeroed blocks: a method that writes nothing (or only
+    some blocks) fails the check, though every block already held its pattern from the prefill."""
+    from uring_kv._bench import _measure, _prefill
+
+    config = BenchConfig(size=1 << 20, layers=4, batch=8, batches=1, warmup=0)
+    work = Workload(config, 16 << 10, torch.device("cpu"))
+
+    async def run() -> dict[str, bool]:
+        async with Engine(work.caches, tmp_path / "kv.bin", work.num_disk_blocks, 4) as engine:
+            await _prefill(engine, work)
+
+            async def honest(store: bool, disk: list[int], gpu: list[int]) -> None:
+                await engine.store_batch(gpu, disk)
+
+            async def idle(store: bool, disk: list[int], gpu: list[int]) -> None:
+                return None
+
+            async def half(store: bool, disk: list[int], gpu: list[int]) -> None:
+                await engine.store_batch(gpu[:4], disk[:4])
+
+            tallies = await _measure(work, {"honest": honest, "idle": idle, "half": half}, "store",
+                                     engine.file.fd, engine.file.stride)
+            return {name: tally.verified for name, tally in tallies.items()}
+
+    assert asyncio.run(run()) == {"honest": True, "idle": False, "half": False}

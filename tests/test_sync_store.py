@@ -229,3 +229,22 @@ def test_a_loop_thread_runs_coroutines_and_closes_clean(leaves_nothing: None) ->
     loop.close()
     loop.close()
     assert not loop.thread.is_alive()
+
+
+def test_a_store_dropped_without_close_closes_itself(tmp_path: Path, leaves_nothing: None) -> None:
+    """A SyncBlockStore dropped while a put is in flight, never closed: the put finishes, and once
+    the object is collected no thread or fd of it is left and the caches' memory is released."""
+    import gc
+    import sys
+
+    caches = id_caches("cpu", blocks=8)
+    tensor = caches["layer0"]
+    references = sys.getrefcount(tensor)
+    store = SyncBlockStore(caches, tmp_path / "kv.bin", capacity_blocks=16, num_slots=4, copy_delay=0.05)
+    fill_keys(caches, [0, 1, 2], [0, 1, 2])
+    pending = store.submit_put([key(0), key(1), key(2)], [0, 1, 2])
+    del store
+    gc.collect()
+    assert pending.done() and pending.exception() is None  # finished before the close
+    gc.collect()
+    assert sys.getrefcount(tensor) == references, "the dropped store still holds the caches"

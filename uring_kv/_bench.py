@@ -291,12 +291,23 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _scrub_blocks(fd: int, stride: int, disk_blocks: list[int]) -> None:
+    """Zero the blocks in the file (plain pwritev, aligned for O_DIRECT): a store checked after this
+    must have written every one of them itself."""
+    buffer = HostBuffer(stride)
+    try:
+        for disk_block in disk_blocks:
+            os.pwritev(fd, [buffer.view], disk_block * stride)
+    finally:
+        buffer.close()
+
+
 async def _verify_file(fd: int, stride: int, work: Workload, disk_blocks: list[int]) -> bool:
-    """Read blocks back with plain preadv and check their words (for store rows)."""
+    """Read the blocks back with plain preadv and check their words (for store rows)."""
     buffer = HostBuffer(stride)
     ok = True
     words = work.per_layer // 8 * work.config.layers
-    for disk_block in disk_blocks[:16]:
+    for disk_block in disk_blocks:
         await asyncio.to_thread(os.preadv, fd, [buffer.view], disk_block * stride)
         got = torch.frombuffer(buffer.view, dtype=torch.int64)[:words]
         ok &= torch.equal(got, identity_words([disk_block], 0, words, "cpu")[0])
@@ -332,6 +343,8 @@ async def _measure(work: Workload, methods: dict[str, Method], op: str, fd: int,
         for name in names[shift:] + names[:shift]:
             if store:
                 work.fill_gpu_as(disk_blocks, gpu_blocks)
+                if round_index == last:  # the checked round: the file must get every block from this method
+                    await asyncio.to_thread(_scrub_blocks, fd, stride, disk_blocks)
             elif round_index == last:
                 work.scrub()
             _sync(work.device)

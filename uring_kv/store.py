@@ -271,6 +271,22 @@ class BlockStore:
                 self._unpin(entry)
             self._op_done()
 
+    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
+        """Like :meth:`get`, for the keys of ``keys`` held when it runs (checked on the loop, so none
+        can be evicted between the check and the load): returns the keys whose bytes are now in
+        their rows. A key missing, or whose load failed (dropped from the index, as with
+        :meth:`get`), is left out; nothing raises for them."""
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
+        self._check_open()
+        present = [(key, row) for key, row in zip(key_list, row_list, strict=True) if key in self._index]
+        if not present:
+            return []
+        try:
+            await self.get([key for key, _ in present], [row for _, row in present], after)
+        except KeyIOError as exc:
+            return [key for key, _ in present if key not in exc.failures]
+        return [key for key, _ in present]
+
     # ----------------------------------------------------------------- internals
     async def _write(self, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
         """Store the entries' rows to their blocks; make the written ones visible, free the

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Coroutine, Iterable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -125,6 +126,9 @@ class SyncBlockStore:
                 self._loop.run(self.store.aclose())
             self._loop.close()
             raise
+        # Dropped without close(): close it then (what is in flight finishes first), so that no
+        # thread, fd or reference to the caller's cache memory outlives the object.
+        self._finalizer = weakref.finalize(self, _close_abandoned, self._loop, self.store)
 
     def __enter__(self) -> SyncBlockStore:
         return self
@@ -168,6 +172,12 @@ class SyncBlockStore:
             self._check_open()
             return self._loop.submit(self.store.get(list(keys), _rows(rows), after))
 
+    def submit_get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[list[bytes]]:
+        """:meth:`BlockStore.get_present` on the store's loop; returns its future at once."""
+        with self._lock:
+            self._check_open()
+            return self._loop.submit(self.store.get_present(list(keys), _rows(rows), after))
+
     def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> None:
         """``submit_put(...).result(timeout)``: waits for the keys to be written (not from the
         store's own thread). A timeout leaves the put running."""
@@ -180,10 +190,17 @@ class SyncBlockStore:
         self._check_waitable()
         self.submit_get(keys, rows, after).result(timeout)
 
+    def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None,
+                    timeout: float | None = None) -> list[bytes]:
+        """``submit_get_present(...).result(timeout)``: the keys loaded (not from the store's own thread)."""
+        self._check_waitable()
+        return self.submit_get_present(keys, rows, after).result(timeout)
+
     def close(self) -> None:
         """Refuse new calls, finish those submitted, close the store, join its thread. Returns only
         once all that is done (a second call waits for the first). Not from the store's thread."""
         self._check_waitable()
+        self._finalizer.detach()
         with self._close_lock:
             with self._lock:
                 if self._closing and not self._loop.thread.is_alive():
@@ -202,6 +219,16 @@ class SyncBlockStore:
         if self._loop.in_thread():
             raise RuntimeError("a blocking SyncBlockStore call on the store's own thread would wait for itself; "
                                "use submit_put/submit_get there")
+
+
+def _close_abandoned(loop: LoopThread, store: BlockStore) -> None:
+    """A SyncBlockStore's finalizer: close its store and its thread, unless it runs on that thread
+    (then the loop just stops once the thread is done with its current step)."""
+    if loop.in_thread():
+        return
+    with contextlib.suppress(Exception):
+        loop.run(store.aclose())
+    loop.close()
 
 
 def _rows(rows: Iterable[int]) -> list[int]:

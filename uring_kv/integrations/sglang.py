@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from uring_kv.errors import KeyIOError, KeyMissingError
+from uring_kv.errors import KeyIOError
 from uring_kv.sync import SyncBlockStore
 
 logger = logging.getLogger(__name__)
@@ -161,26 +161,13 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         store, pages = self._store, self._pages(keys, host_indices)
         if store is None or pages is None:
             return [False] * len(keys)
-        want = {key.encode(): page for key, page in zip(keys, pages, strict=True)}
-        ok = {k for k in want if store.contains(k)}
-        for _ in range(3):  # a key evicted since the check fails alone; the others load
-            if not ok:
-                break
-            try:
-                store.get(list(ok), [want[k] for k in ok])
-                break
-            except KeyMissingError as error:
-                ok -= set(error.keys)
-            except KeyIOError as error:  # the failed keys are dropped from the index: misses from now on
-                ok -= set(error.failures)
-                break
-            except Exception:
-                logger.exception("UringKVHiCacheStorage: a prefetch of %d pages failed", len(ok))
-                ok = set()
-                break
-        else:
-            ok = set()
-        return [key.encode() in ok for key in keys]
+        encoded = [key.encode() for key in keys]
+        try:  # every (key, page) pair, a key asked twice included; those held when it runs
+            loaded = set(store.get_present(encoded, list(pages)))
+        except Exception:
+            logger.exception("UringKVHiCacheStorage: a prefetch of %d pages failed", len(keys))
+            return [False] * len(keys)
+        return [key in loaded for key in encoded]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         store = self._store

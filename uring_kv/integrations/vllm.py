@@ -40,7 +40,7 @@ import torch
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError
+from uring_kv.errors import EngineClosedError, KeyIOError
 from uring_kv.sync import SyncBlockStore
 
 
@@ -96,39 +96,43 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
         with self._settled:
             self._outstanding += 1
         if store is None:
-            self._report(job, keys, [], 0)
+            self._report(job, keys, [], 0, 0)
             return
-        if load:  # keys evicted since their lookup fail alone; the others load
-            present = [(k, r) for k, r in zip(keys, rows, strict=True) if store.contains(k)]
-            moving, rows = [k for k, _ in present], [r for _, r in present]
-        else:
-            moving = keys
+        # A store writes only the keys not held yet (what its bytes count, for vLLM's backpressure);
+        # a load takes the keys held when it runs on the store's thread: one evicted since vLLM's
+        # lookup fails alone.
+        fresh = 0 if load else sum(not store.contains(key) for key in keys)
         try:
-            future = store.submit_get(moving, rows) if load else store.submit_put(moving, rows)
+            future: Future[Any] = store.submit_get_present(keys, rows) if load else store.submit_put(keys, rows)
         except EngineClosedError:
-            self._report(job, keys, [], 0)
+            self._report(job, keys, [], 0, 0)
             return
         start = time.monotonic()
-        future.add_done_callback(lambda done: self._done(job, keys, moving, done, start))
+        future.add_done_callback(lambda done: self._done(job, keys, fresh, done, start))
 
-    def _done(self, job: TransferJob, keys: list[bytes], moving: list[bytes], future: Future[None],
-              start: float) -> None:
-        """On the store's thread: the keys that made it, then the job's result."""
-        error = future.exception()
-        if error is None:
-            ok = moving
-        elif isinstance(error, KeyIOError):
-            ok = [key for key in moving if key not in error.failures]
-        elif isinstance(error, KeyMissingError):  # evicted between the check and the load
-            ok = []
-        else:
-            ok = []
-        self._report(job, keys, ok, time.monotonic() - start)
+    def _done(self, job: TransferJob, keys: list[bytes], fresh: int, future: Future[Any], start: float) -> None:
+        """On the store's thread (or the caller's, if already done): the keys that made it, then the
+        job's result. Never raises: every job must be reported."""
+        seconds = time.monotonic() - start
+        try:
+            if future.cancelled():
+                ok: list[bytes] = []
+            elif (error := future.exception()) is None:
+                ok = list(future.result()) if job.is_promotion else keys
+            elif isinstance(error, KeyIOError):
+                ok = [key for key in keys if key not in error.failures]
+                fresh -= len(error.failures)
+            else:
+                ok = []
+            moved = len(ok) if job.is_promotion else max(0, fresh) if ok else 0
+        except BaseException:  # a report must go out whatever happened
+            ok, moved = [], 0
+        self._report(job, keys, ok, seconds, moved)
 
-    def _report(self, job: TransferJob, keys: list[bytes], ok: list[bytes], seconds: float) -> None:
+    def _report(self, job: TransferJob, keys: list[bytes], ok: list[bytes], seconds: float, moved: int) -> None:
         success = len(ok) == len(keys)
         result = JobResult(job_id=job.job_id, success=success, transfer_time=seconds,
-                           transfer_bytes=len(ok) * self._row_bytes,
+                           transfer_bytes=moved * self._row_bytes,
                            successful_keys=None if success or not job.is_promotion else
                            [OffloadKey(key) for key in ok])
         with self._settled:
