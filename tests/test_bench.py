@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import mounted_tmpfs
 
 from uring_kv import Engine
 from uring_kv._bench import BenchConfig, Workload, staging_slots
@@ -133,20 +134,12 @@ def test_bench_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str],
 
 
 def test_bench_refuses_a_read_only_path(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a read-only tmpfs")
-    target = tmp_path / "ro"
-    target.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(target)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "size=1m,ro") as target:
         done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "bench", "--path", str(target)],
                               capture_output=True, text=True, timeout=120)
         said = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(said) == 1
         assert said[0] == f"uring-kv bench: --path: cannot create a file in {target}: Read-only file system"
-    finally:
-        subprocess.run(["umount", str(target)], check=True)
 
 
 @pytest.mark.parametrize("command, args, says", [

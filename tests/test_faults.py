@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -22,18 +20,6 @@ from uring_kv import BlockIOError, _engine
 from uring_kv.testing import block_file, content, fill, id_caches, identify, store_identity
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mountpoint = tmp_path / "tiny"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mountpoint
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 @pytest.mark.parametrize("direct", [None, False], ids=["direct", "buffered"])

@@ -10,8 +10,7 @@ import errno
 import hashlib
 import os
 import random
-import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -423,20 +422,6 @@ async def test_eio_on_read_drops_the_key(fault_fs: tuple[Path, FaultState], make
         assert not store.contains(key(1))
         with pytest.raises(KeyMissingError):
             await store.get([key(1)], [5])
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting needs root")
-    mountpoint = tmp_path / "tiny"
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield mountpoint
-    subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 async def test_enospc_makes_the_keys_that_did_not_fit_misses(tiny_tmpfs: Path, make_store: StoreFactory) -> None:
