@@ -28,6 +28,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import torch
+
+from uring_kv._bench import _percentile, identity_words
 
 TIERS = {
     "uring_kv": {"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm"},
@@ -80,14 +83,14 @@ def _key(n: int) -> bytes:
 
 
 def _stamp(row: np.ndarray, n: int) -> None:
-    """Row of key ``n``: every 8-byte word holds ``n << 32 | word``."""
-    words = row.view(np.int64)
-    words[:] = (np.int64(n) << 32) | np.arange(words.size, dtype=np.int64)
+    """Row of key ``n``: the bench's identity pattern, every 8-byte word ``n << 32 | word``."""
+    words = torch.from_numpy(row.view(np.int64))
+    words.copy_(identity_words([n], 0, words.numel(), "cpu")[0])
 
 
 def _stamped(row: np.ndarray, n: int) -> bool:
-    words = row.view(np.int64)
-    return bool(np.array_equal(words, (np.int64(n) << 32) | np.arange(words.size, dtype=np.int64)))
+    words = torch.from_numpy(row.view(np.int64))
+    return torch.equal(words, identity_words([n], 0, words.numel(), "cpu")[0])
 
 
 def _drive(tier: Any, rows: np.ndarray, order: list[int], job_keys: int, in_flight: int, promote: bool,
@@ -138,11 +141,6 @@ def _drop_cache(root: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def run(directory: str, row_sizes: list[int], total: int, job_keys: int, in_flight: int,
