@@ -11,8 +11,8 @@ from typing import Any
 
 from uring_kv._bench import BenchConfig, kind_of, recommend_depth, staging_slots
 
-# What each method is, for the verdict and the table's legend
-LABELS = {"vllm-disk": "vLLM DiskBackend", "fio": "fio", "ring ceiling": "ring limit", "pcie ceiling": "PCIe limit"}
+# What each peer is called in the verdict
+LABELS = {"vllm-disk": "vLLM DiskBackend"}  # threadsN and kvikioN: see _label
 LIMITS = {"ring ceiling": "disk limit", "fio": "fio"}  # the ceilings the verdict names, as it names them
 LAG_TARGET_MS = (1.0, 0.2)  # max, p99: the loop-lag targets
 WIDTH = 100  # the output fits this many columns

@@ -132,7 +132,7 @@ def _bench(args: argparse.Namespace) -> int:
     from uring_kv._file import round_up
     from uring_kv._report import plot, render
 
-    block_sizes = args.block_size or [128 << 10, 2 << 20]
+    block_sizes = args.block_size or BenchConfig().block_sizes
     for block in block_sizes:
         per_layer, rest = divmod(block, args.layers)
         if rest or per_layer % 64:
