@@ -101,7 +101,8 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
     ``faults``: ``(engine, rng) -> None``, called every millisecond or so while the workers run, to
     make stores fail (e.g. a fault filesystem's failing ranges). Store errors are then expected; a
     load may fail only for blocks with a failed store called before it returned, with that
-    store's errno, and any other load error counts in ``errors``.
+    store's errno (or with the faults' errno after a cancelled store of the block, whose write may
+    have failed unseen), and any other load error counts in ``errors``.
 
     ``progress(moved)`` is called about five times a second. A soak in which no block moves for
     ``stall_seconds`` (every I/O failing, say) stops there, with one error counted for the stall."""
@@ -112,6 +113,7 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
     called: dict[int, int] = defaultdict(int)
     completed: dict[int, int] = defaultdict(int)
     failed: dict[int, dict[int, int]] = defaultdict(dict)  # disk block → version → errno of its failed store
+    cancelled_stores: dict[int, int] = defaultdict(int)  # disk block → store calls to it cancelled
     moved = checked = corrupt = cancelled = errors = failed_stores = refused = 0
     refusals: list[tuple[int, int]] = []  # (disk block, errno) of loaded blocks refused
     delivered: list[tuple[int, int]] = []  # (disk block, version) loaded while stores fail
@@ -146,6 +148,9 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
                 await task
             except asyncio.CancelledError:
                 cancelled += 1  # the call returned: the engine is done with this worker's blocks
+                if store:  # its writes may have failed all the same, unseen by this caller
+                    for disk_block in chosen:
+                        cancelled_stores[disk_block] += 1
                 continue
             except BlockIOError as exc:
                 failures = exc.failures
@@ -213,8 +218,11 @@ async def soak(blocks: int, *, device: str = "cpu", slots: int = 4, workers: int
             await watch_task
         if progress is not None:
             progress(moved)
+        seen = {code for versions in failed.values() for code in versions.values()}
         for disk_block, code in refusals:
-            if code in failed[disk_block].values():
+            # explained by a failed store of the block with that errno, or by a cancelled store of
+            # it whose write failed as others did (its caller never learned the errno)
+            if code in failed[disk_block].values() or (cancelled_stores[disk_block] and code in seen):
                 refused += 1
             else:
                 errors += 1
