@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    os.environ.setdefault("URING_KV_PUMP", "0")  # CPU mode: the per-block path, as on a GPU
+    os.environ.setdefault("URING_KV_DEBUG_PUMP", "0")  # CPU mode: the per-block path, as on a GPU
     install()
     asyncio.run(run(args))
 

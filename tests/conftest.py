@@ -64,15 +64,15 @@ def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         warnings.filterwarnings("ignore", r"uring_kv: io_uring_setup failed with EPERM.*thread-pool fallback",
                                 RuntimeWarning)
     if request.param == "uring-python":
-        monkeypatch.setenv("URING_KV_PUMP", "0")
+        monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
         return "uring"
     return str(request.param)
 
 
 def pumps_on(io_mode: str) -> bool:
     """Whether engines made now may run batches in native pumps: on io_uring (``io_mode``), with
-    ``URING_KV_PUMP`` not 0 (``uring-python`` and some tests set it)."""
-    return io_mode == "uring" and os.environ.get("URING_KV_PUMP") != "0"
+    ``URING_KV_DEBUG_PUMP`` not 0 (``uring-python`` and some tests set it)."""
+    return io_mode == "uring" and os.environ.get("URING_KV_DEBUG_PUMP") != "0"
 
 
 @pytest.fixture
@@ -235,7 +235,7 @@ def release_on_submit(monkeypatch: pytest.MonkeyPatch) -> None:
     per-block path: batches do not go through native pumps here)."""
     from uring_kv._staging import Kind
 
-    monkeypatch.setenv("URING_KV_PUMP", "0")
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
 
     original_enqueue, original_on_copied = Engine._enqueue_copy, Engine._on_copied
 

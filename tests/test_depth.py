@@ -37,7 +37,7 @@ async def test_io_depth_caps_ops_in_flight_while_spare_slots_hold_copies(make_en
     Mutations tried: the ring's capacity ignoring the depth (8 ops were in flight); pumps ignoring
     the cap (peak 8)."""
     if path == "per-block":
-        monkeypatch.setenv("URING_KV_PUMP", "0")
+        monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
     in_flight: list[int] = []
     flush = UringBackend._flush
 
@@ -94,7 +94,7 @@ async def test_under_a_depth_cap_reads_go_ahead_of_queued_writes(fault_fs: tuple
     mountpoint, state = fault_fs
     # The backlog orders per-block batches' ops (pumps under a cap park their slots in C instead,
     # loads' pumps first): batch by block here.
-    monkeypatch.setenv("URING_KV_PUMP", "0")
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
     seq: dict[int, int] = {}
     kept: list[Any] = []  # numbered ops stay alive, so their ids are not reused
     jumped: list[bool] = []

@@ -415,7 +415,7 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
     monkeypatch.setenv("URING_KV_NATIVE_COPIER", native)
     if path != "pumped-copy":  # (which keeps the io_mode's setting: pumps off for uring-python)
-        monkeypatch.setenv("URING_KV_PUMP", "0")
+        monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
         await store_identity(engine, caches, 4)

@@ -30,9 +30,9 @@ SLOW = 0.3  # seconds the slowed request sleeps before it touches the bytes
 # (io mode, environment): the ways a CPU-mode batch can be driven
 DRIVERS = {
     "pump-scatter": ("uring", {}),  # native pump, loads read straight into the caches
-    "pump-slots": ("uring", {"URING_KV_PUMP_SCATTER": "0"}),  # pump, loads read into slots, memcpy'd
+    "pump-slots": ("uring", {"URING_KV_DEBUG_PUMP_SCATTER": "0"}),  # pump, loads read into slots, memcpy'd
     "pump-copier": ("uring", {"URING_KV_HOST_INLINE_BYTES": "0"}),  # pump, copies on the copier thread
-    "per-block": ("uring", {"URING_KV_PUMP": "0"}),  # io_uring, a handler per block
+    "per-block": ("uring", {"URING_KV_DEBUG_PUMP": "0"}),  # io_uring, a handler per block
     "threads": ("threads", {}),
 }
 

@@ -142,7 +142,7 @@ async def test_the_copier_threads_sleep_while_idle(tmp_path: Path, monkeypatch: 
     """After a batch through the native copier, its threads use no CPU while nothing is queued.
     Mutation tried: polling the queue instead of waiting on the condition variable (tens of ticks)."""
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "0")
-    monkeypatch.setenv("URING_KV_PUMP", "0")
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
     caches = id_caches("cpu", blocks=8)
     async with Engine(caches, tmp_path / "kv.bin", 8, 2) as engine:
         assert getattr(engine.copier, "native", False)

@@ -194,7 +194,7 @@ async def test_a_reap_pass_ends_when_its_budget_is_spent(make_engine: EngineFact
     if copies != "memcpy":
         pytest.skip("copier pumps copy on the copier's thread; their refills wait for its jobs")
     monkeypatch.setenv("URING_KV_REAP_BUDGET_US", "1")
-    monkeypatch.setenv("URING_KV_PUMP_SCATTER", "0")  # each block read into its slot, then copied
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP_SCATTER", "0")  # each block read into its slot, then copied
     caches = {"k": torch.zeros(256, 8 << 10, dtype=torch.int32)}  # 32 KiB blocks: the largest pumped inline
     source = torch.randint(-2**31, 2**31 - 1, (256, 8 << 10), dtype=torch.int32)
     async with make_engine(caches, 256, num_slots=8, direct=False) as engine:
@@ -243,7 +243,7 @@ async def test_spare_slots_take_a_reaps_refills_before_it_copies(make_engine: En
     Mutation tried: every completion copied at once (copied_late stayed 0)."""
     if copies != "memcpy":
         pytest.skip("copier pumps copy on the copier's thread")
-    monkeypatch.setenv("URING_KV_PUMP_SCATTER", "0")  # buffered loads read into the slot as well
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP_SCATTER", "0")  # buffered loads read into the slot as well
     caches = id_caches("cpu", blocks=64)
     for slots, late in ((4, False), (8, True)):
         async with make_engine(caches, 64, num_slots=slots, io_depth=4, direct=direct) as engine:
@@ -342,7 +342,7 @@ def slot_layout(layout: str, monkeypatch: pytest.MonkeyPatch, depth: int) -> dic
     parked slot before it copies)."""
     if layout == "depth":
         return {"num_slots": depth}
-    monkeypatch.setenv("URING_KV_PUMP_SCATTER", "0")
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP_SCATTER", "0")
     return {"num_slots": 2 * depth, "io_depth": depth}
 
 

@@ -341,7 +341,7 @@ async def test_env_forces_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("URING_KV_IO", "threads")
     io = open_backend()
     assert isinstance(io, ThreadBackend)
-    assert "URING_KV_IO=threads" in io.description
+    assert "io='threads'" in io.description
     io.close()
 
 

@@ -356,7 +356,7 @@ async def test_a_failed_store_is_a_miss(make_store: StoreFactory, monkeypatch: p
 
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "0")  # copies on the copier's Python thread
     monkeypatch.setenv("URING_KV_NATIVE_COPIER", "0")
-    monkeypatch.setenv("URING_KV_PUMP", "0")
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
     real_host = BlockCopier.host
     failing = {"left": 1}
 

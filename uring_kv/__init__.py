@@ -1,6 +1,7 @@
 """uring_kv: offload KV-cache blocks between GPU (or CPU) tensors and a file through io_uring."""
 
 from uring_kv._engine import Engine, TransferHandle
+from uring_kv._tuning import Tuning
 from uring_kv.errors import (
     BlockIOError,
     EngineClosedError,
@@ -13,5 +14,5 @@ from uring_kv.store import BlockStore
 from uring_kv.sync import SyncBlockStore
 
 __all__ = ["BlockIOError", "BlockStore", "Engine", "EngineClosedError", "KeyIOError", "KeyMissingError",
-           "SyncBlockStore", "TransferHandle", "UringKVError", "UringUnavailable"]
+           "SyncBlockStore", "TransferHandle", "Tuning", "UringKVError", "UringUnavailable"]
 __version__ = "0.1.0"

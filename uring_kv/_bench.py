@@ -31,9 +31,10 @@ from typing import Any
 import torch
 
 from uring_kv import _peers
-from uring_kv._engine import PUMP_INLINE_PASS_BYTES, Engine, slots_copy_inline
+from uring_kv._engine import Engine
 from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
+from uring_kv._tuning import Tuning
 
 # --peers names: vLLM's DiskBackend, a thread pool, KvikIO, fio, the ring ceiling
 PEERS = ("vllm-disk", "threads", "kvikio", "fio", "ceiling")
@@ -587,30 +588,16 @@ def batches_for(config: BenchConfig, block_bytes: int) -> int:
 
 
 def staging_slots(config: BenchConfig, device: torch.device, block_bytes: int, direct: bool = True) -> int:
-    """uring_kv's staging slots: ``config.slots`` when given, else the I/O depth and spares:
-
-    - half the depth again wherever the copies are jobs for the native copier, so that each slot
-      spends a copy turnaround between its read and the next (0.80× of the ring ceiling at 128 KiB
-      without, 0.91–0.95× with 16 on the H200): on a GPU, and in CPU mode once the slots hold over
-      1 MiB together;
-    - in CPU mode's smaller O_DIRECT set-ups, whose pumps copy each block on the loop, as many as
-      the depth while all slots still hold at most 1 MiB: a reap then submits its refills through
-      the spare slots before it copies (16 KiB loads: 0.86× of the ring ceiling without, 0.94× with 32);
-    - none for buffered files there: their pumps read straight into the caches, nothing to wait for.
-    """
+    """uring_kv's staging slots: ``config.slots`` when given, else what :meth:`Tuning.staging_slots`
+    advises for the I/O depth."""
     if config.slots is not None:
         return config.slots
-    depth = config.io_depth
     # The engine's slot stride is the block rounded up to the file's DIO alignment, which the bench
     # learns only once the engine is open; 4 KiB is the usual alignment's upper end, so "inline"
     # here means inline there too. Where they can differ (blocks far below 4 KiB with hundreds of
     # slots; alignments over 4 KiB), the engine runs a slower path, never a wrong one.
     stride = round_up(block_bytes, 4096)
-    if device.type == "cuda" or not slots_copy_inline(depth, stride):
-        return depth + depth // 2
-    if not direct:
-        return depth
-    return depth + max(0, min(depth, PUMP_INLINE_PASS_BYTES // stride - depth))
+    return Tuning.from_env().staging_slots(config.io_depth, stride, device.type == "cuda", direct)
 
 
 def recommend_depth(sweep: dict[int, float], share: float = 0.95) -> int:

@@ -42,6 +42,7 @@ from uring_kv._native import (
     mark,
 )
 from uring_kv._staging import Kind, Lease, LeaseState, SlotPool
+from uring_kv._tuning import Tuning
 from uring_kv.errors import BlockIOError, EngineClosedError
 from uring_kv.metrics import DirectionMetrics
 
@@ -107,19 +108,7 @@ START_HOP = True  # a pumped batch yields the loop between set-up and hand-over 
 # most); a larger call is admitted over several loop turns (see Engine._admit).
 ADMIT_BLOCKS = 512
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call (see _enqueue_copy)
-# Largest block whose pumped reads and writes go without IOSQE_ASYNC on a buffered file: a page-cache
-# hit is then copied inside io_uring_enter on the loop thread (a few µs at this size).
-PUMP_INLINE_BYTES = 32 << 10
-PUMP_INLINE_PASS_BYTES = 1 << 20  # ... and only while all slots together hold at most this much
 PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
-
-
-def slots_copy_inline(num_slots: int, stride: int) -> bool:
-    """Whether all slots together hold at most PUMP_INLINE_PASS_BYTES: then a reap pass (which
-    refills each slot at most once) or a pump's start may copy every slot's block on the loop. CPU
-    mode's pumps copy inline only then, and only then submit O_DIRECT without IOSQE_ASYNC; beyond,
-    copies are jobs for the native copier, as in GPU mode."""
-    return num_slots * stride <= PUMP_INLINE_PASS_BYTES
 
 
 class TransferHandle:
@@ -247,13 +236,14 @@ class Engine:
     ``io``: 'auto' (default, or ``$URING_KV_IO``), 'uring' or 'threads'.
     ``copy_delay``: for tests: hold every copy back about this many seconds (a host sleep in CPU
     mode, a sleeping kernel on the copy stream in GPU mode), to widen race windows.
+    ``tuning``: a :class:`Tuning` (default: ``Tuning.from_env()``, read here, once).
     ``checksum``: keep a crc32c of every block written and verify it on load; a mismatch fails the
     block with ``EBADMSG``. Sums live in memory, like the file itself, for the engine's lifetime.
     """
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
                  *, direct: bool | None = None, io: str | None = None, copy_delay: float = 0.0,
-                 checksum: bool = False, io_depth: int | None = None) -> None:
+                 checksum: bool = False, io_depth: int | None = None, tuning: Tuning | None = None) -> None:
         if isinstance(num_disk_blocks, bool) or not isinstance(num_disk_blocks, int) or num_disk_blocks < 1:
             raise ValueError(f"num_disk_blocks must be a positive integer, got {num_disk_blocks!r}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -263,6 +253,9 @@ class Engine:
         if io_depth is not None and (isinstance(io_depth, bool) or not isinstance(io_depth, int) or io_depth < 1):
             raise ValueError(f"io_depth must be a positive integer or None, got {io_depth!r}")
         self.io_depth = min(io_depth, num_slots) if io_depth is not None else num_slots
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be a uring_kv.Tuning, got {type(tuning).__name__}")
+        self.tuning = tuning if tuning is not None else Tuning.from_env()
         self.names, self._tensors = _normalise_caches(caches)
         self.device = self._tensors[0].device
         self.gpu = self.device.type == "cuda"
@@ -350,30 +343,14 @@ class Engine:
         return file
 
     def _open_rest(self) -> None:
-        # IOSQE_ASYNC (URING_KV_SQE_ASYNC=1 / 0 forces it on / off for every SQE), measured on the
-        # H200 machine (2026-12-03):
-        # - reads of a buffered file: a page-cache hit would be copied inside io_uring_enter, on the
-        #   loop thread;
-        # - O_DIRECT reads and writes wherever the copies are the native copier's (GPU mode, and CPU
-        #   mode once the slots hold over PUMP_INLINE_PASS_BYTES): the submission goes through the
-        #   block layer and waits there when the device's queue is full. Handing it to io-wq took
-        #   the bridge delay's p99 at 128 KiB from 112–215 to 45–74 µs in GPU mode and from 240–251
-        #   to 39–63 µs in CPU mode, at the same throughput within the disk's noise. CPU mode's
-        #   inline-copy set-ups keep it inline (their 16 KiB O_DIRECT loads reach the ring ceiling so);
-        # - never writes to a buffered file: forced onto io-wq, hot 2 MiB stores burned ~9x the CPU
-        #   and held the loop up to 5.4 ms (waiting for a core), at the same throughput as without.
-        few_slots = slots_copy_inline(self.num_slots, self.file.stride)
-        direct_async = self.gpu or not few_slots
-        forced = os.environ.get("URING_KV_SQE_ASYNC", "")
-        async_io = {"1": True, "0": False}.get(forced, direct_async or not self.file.direct)
-        async_writes = {"1": True, "0": False}.get(forced, direct_async and self.file.direct)
-        # Except for native pumps of small blocks: handing each to an io-wq worker costs more than
-        # the copy, and their reap bounds how long it holds the loop (see _io.REAP_BUDGET_US).
-        # A reap pass refills each slot at most once, so a pass copies at most slots × block inline.
-        self._pump_inline = forced != "1" and self.file.stride <= PUMP_INLINE_BYTES and few_slots
+        tuning, stride = self.tuning, self.file.stride
+        few_slots = tuning.copies_inline(self.num_slots, stride)
+        async_io, async_writes = tuning.sqe_flags(self.gpu, self.file.direct, self.num_slots, stride)
+        self._pump_inline = tuning.pump_inline(self.num_slots, stride)
         capped = self.io_depth < self.num_slots
-        self.io: IOBackend = open_backend(self._io_mode, services=self._svc, async_io=async_io,
-                                          async_writes=async_writes, depth=self.io_depth if capped else None)
+        self.io: IOBackend = open_backend(self._io_mode or tuning.io, services=self._svc, async_io=async_io,
+                                          async_writes=async_writes, depth=self.io_depth if capped else None,
+                                          tuning=tuning)
         self.pool = SlotPool(self.num_slots, self.file.stride, self._svc)
         self._host_registered = False
         if self.gpu:
@@ -404,7 +381,7 @@ class Engine:
         # 32 × 128 KiB took 1.3 ms on the CPU machine); else jobs for the native copier (GPU
         # mode, large or slowed host copies, many slots), whose finished jobs the ring then collects
         # (their slots move on in C).
-        ring = self.io.pump_ring() if os.environ.get("URING_KV_PUMP", "1") != "0" else None
+        ring = self.io.pump_ring() if tuning.pumps else None
         inline = isinstance(self.copier, HostCopier) and self.copier.inline_blocks >= 1 and few_slots
         link = self.copier.link
         self._pump_copies: PumpCopies | None = None
@@ -422,7 +399,7 @@ class Engine:
                       for t, nbytes in zip(self._tensors, self._tensor_block_bytes, strict=True))
         self._pump_scatter = (not self.gpu and (not self.file.direct or aligned)
                               and len(self._tensors) <= PUMP_SCATTER_MAX_TENSORS
-                              and os.environ.get("URING_KV_PUMP_SCATTER", "1") != "0")
+                              and tuning.pump_scatter)
 
     def _release(self) -> None:
         """Free whatever open() set up, last part first, each part even if an earlier one failed
@@ -566,7 +543,8 @@ class Engine:
         """The gauges of :meth:`metrics`, the number of active batches, how many batches ran in
         native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
         kept unnamed, fixed buffers, pinned bytes, event loop, and whether pumped loads read straight
-        into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned)."""
+        into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned), and the
+        :class:`Tuning` in force (``tuning``, a dict)."""
         return {
             **self._gauges(),
             "active_batches": len(self._active),
@@ -580,6 +558,7 @@ class Engine:
             "io_depth": self.io_depth,
             "loop": self._svc.name,
             "loads_into_caches": self._pumped_batches and self._pump_scatter,
+            "tuning": self.tuning.as_dict(),
         }
 
     # ----------------------------------------------------------------- public API

@@ -34,7 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from uring_kv._env import env_count
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._memory import view_of
 from uring_kv._native import (
@@ -48,6 +47,7 @@ from uring_kv._native import (
     SqeFlag,
     os_error,
 )
+from uring_kv._tuning import Tuning
 from uring_kv.errors import UringUnavailable
 
 
@@ -152,10 +152,6 @@ class IOBackend(ABC):
         return res
 
 
-# How long one reap may go on handling pump refills that complete inside their own submission
-# before it lets the loop run other callbacks (URING_KV_REAP_BUDGET_US; 0: one pass per reap).
-REAP_BUDGET_US = 100
-
 _FLAG_LADDER = (
     SetupFlag.SINGLE_ISSUER | SetupFlag.DEFER_TASKRUN | SetupFlag.SUBMIT_ALL,
     SetupFlag.COOP_TASKRUN | SetupFlag.SUBMIT_ALL,
@@ -176,8 +172,9 @@ class UringBackend(IOBackend):
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
                  async_io: bool = False, flags: Sequence[SetupFlag] = _FLAG_LADDER, depth: int | None = None,
-                 async_writes: bool | None = None) -> None:
-        per_callback = env_count("URING_KV_COMPLETIONS_PER_CALLBACK", 0)
+                 async_writes: bool | None = None, tuning: Tuning | None = None) -> None:
+        tuning = tuning if tuning is not None else Tuning.from_env()
+        per_callback = tuning.completions_per_callback
         super().__init__(services)
         self._owner = threading.get_ident()
         ring: NativeRing | None = None
@@ -199,7 +196,7 @@ class UringBackend(IOBackend):
         # URING_KV_IOWQ_WORKERS caps the io-wq workers that IOSQE_ASYNC work goes to (the kernel's
         # default is 4 per CPU): page-cache copies on every core leave the loop thread waiting
         # for a core.
-        workers = env_count("URING_KV_IOWQ_WORKERS", 0)
+        workers = tuning.iowq_workers
         capped = ""
         if workers:
             with contextlib.suppress(OSError):  # kernels before 5.15: no cap
@@ -226,7 +223,7 @@ class UringBackend(IOBackend):
         self.wakeups = 0
         self._pump_slots = 0  # slots held by native pumps: each may have an op in flight
         self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
-        ring.reap_budget_ns = env_count("URING_KV_REAP_BUDGET_US", REAP_BUDGET_US) * 1000
+        ring.reap_budget_ns = tuning.reap_budget_us * 1000
         ring.pump_depth(self._capacity)  # pumps whose slots outnumber the depth park the rest
 
     def pump_ring(self) -> PumpRing | None:
@@ -438,8 +435,9 @@ class ThreadBackend(IOBackend):
 
 def open_backend(mode: str | None = None, *, services: LoopServices | None = None,
                  async_io: bool = False, entries: int = 256, workers: int = 8, depth: int | None = None,
-                 async_writes: bool | None = None) -> IOBackend:
-    """The backend for ``mode`` ('auto', 'uring' or 'threads'; default ``$URING_KV_IO`` or 'auto').
+                 async_writes: bool | None = None, tuning: Tuning | None = None) -> IOBackend:
+    """The backend for ``mode`` ('auto', 'uring' or 'threads'; default ``tuning.io``, whose own
+    default is ``Tuning.from_env()``'s: ``$URING_KV_IO`` or 'auto').
 
     'auto' falls back to threads with one RuntimeWarning naming the cause; 'uring' raises
     :class:`UringUnavailable` instead of falling back. ``depth``: at most this many ops in flight
@@ -447,13 +445,14 @@ def open_backend(mode: str | None = None, *, services: LoopServices | None = Non
     """
     if depth:
         workers = min(workers, depth)
-    mode = mode or os.environ.get("URING_KV_IO") or "auto"
+    tuning = tuning if tuning is not None else Tuning.from_env()
+    mode = mode or tuning.io
     if mode not in ("auto", "uring", "threads"):
         raise ValueError(f"I/O mode must be 'auto', 'uring' or 'threads', got {mode!r}")
     if mode == "threads":
-        return ThreadBackend(services, workers, reason="URING_KV_IO=threads")
+        return ThreadBackend(services, workers, reason="io='threads'")
     try:
-        return UringBackend(services, entries, async_io, depth=depth, async_writes=async_writes)
+        return UringBackend(services, entries, async_io, depth=depth, async_writes=async_writes, tuning=tuning)
     except UringUnavailable as exc:
         if mode == "uring":
             raise

@@ -186,6 +186,7 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
     """What uring_kv would use here, and the reason it cannot run (or None)."""
     import torch
 
+    from uring_kv import Tuning
     from uring_kv._file import BlockFile
     from uring_kv._io import open_backend
     from uring_kv._native import LIBURING_VERSION, cuda_copy_path, load_cuda_driver
@@ -193,9 +194,17 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
     facts: dict[str, Any] = {"uring_kv": __version__, "kernel": platform.release(),
                              "liburing (static)": LIBURING_VERSION}
     problem = None
+    try:
+        tuning = Tuning.from_env()
+    except ValueError as exc:
+        facts["tuning"] = f"invalid: {exc}"
+        return facts, str(exc)
+    defaults = Tuning()
+    changed = {k: v for k, v in tuning.as_dict().items() if v != getattr(defaults, k)}
+    facts["tuning"] = ", ".join(f"{k}={v}" for k, v in changed.items()) or "defaults"
 
     async def probe_io() -> str:
-        io = open_backend("auto")
+        io = open_backend(None, tuning=tuning)
         try:
             return io.description
         finally:

@@ -1,0 +1,90 @@
+"""``Tuning``: the environment read once, malformed values named, and the engine doing what it says."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from uring_kv import Engine, Tuning
+
+
+def test_from_env_reads_settings_and_diagnostics() -> None:
+    tuning = Tuning.from_env({"URING_KV_IO": "threads", "URING_KV_REAP_BUDGET_US": "7",
+                              "URING_KV_DEBUG_PUMP": "0", "URING_KV_DEBUG_SQE_ASYNC": "1"})
+    assert tuning.io == "threads" and tuning.reap_budget_us == 7
+    assert tuning.pumps is False and tuning.sqe_async is True
+    assert tuning.pump_scatter is True  # unset: the default
+    assert Tuning.from_env({}) == Tuning()
+
+
+@pytest.mark.parametrize(("name", "value"), [("URING_KV_IO", "fast"), ("URING_KV_REAP_BUDGET_US", "-1"),
+                                             ("URING_KV_DEBUG_PUMP", "off"), ("URING_KV_HOST_INLINE_BYTES", "1k")])
+def test_a_malformed_variable_is_named(name: str, value: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        Tuning.from_env({name: value})
+
+
+def test_bad_fields_are_refused() -> None:
+    with pytest.raises(ValueError, match="iowq_workers"):
+        Tuning(iowq_workers=-1)
+    with pytest.raises(ValueError, match="I/O mode"):
+        Tuning(io="fast")
+
+
+def test_sqe_flags_policy() -> None:
+    tuning = Tuning()
+    assert tuning.sqe_flags(gpu=True, direct=True, num_slots=16, stride=128 << 10) == (True, True)
+    assert tuning.sqe_flags(gpu=False, direct=False, num_slots=4, stride=4096) == (True, False)  # buffered reads
+    assert tuning.sqe_flags(gpu=False, direct=True, num_slots=4, stride=4096) == (False, False)  # inline copies
+    forced = dataclasses.replace(tuning, sqe_async=False)
+    assert forced.sqe_flags(gpu=True, direct=True, num_slots=16, stride=128 << 10) == (False, False)
+    assert not dataclasses.replace(tuning, sqe_async=True).pump_inline(4, 4096)
+
+
+def test_staging_slots_policy() -> None:
+    tuning = Tuning()
+    assert tuning.staging_slots(32, 128 << 10, gpu=True) == 48  # half the depth again on a GPU
+    assert tuning.staging_slots(32, 16 << 10, gpu=False) == 64  # small O_DIRECT: as many again
+    assert tuning.staging_slots(32, 16 << 10, gpu=False, direct=False) == 32  # buffered: none
+
+
+async def test_the_engine_reads_the_environment_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = [(torch.arange(8 * 1024) % 251).to(torch.uint8).reshape(8, 1024)]
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
+    engine = Engine(caches, tmp_path / "kv", num_disk_blocks=8, num_slots=4)
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP", "1")  # too late: read at construction
+    async with engine:
+        await engine.store_batch([0, 1], [0, 1])
+        stats = engine.stats()
+    assert stats["tuning"]["pumps"] is False and stats["pumped_batches"] == 0
+
+
+async def test_an_explicit_tuning_wins_over_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = [(torch.arange(8 * 1024) % 251).to(torch.uint8).reshape(8, 1024)]
+    monkeypatch.setenv("URING_KV_IO", "uring")
+    async with Engine(caches, tmp_path / "kv", num_disk_blocks=8, num_slots=4,
+                      tuning=Tuning(io="threads")) as engine:
+        want = caches[0][:2].clone()
+        await engine.store_batch([0, 1], [2, 3])
+        caches[0][:] = 0
+        await engine.load_batch([2, 3], [0, 1])
+        assert "thread" in engine.stats()["io"]
+    assert torch.equal(caches[0][:2], want)
+    with pytest.raises(TypeError, match="Tuning"):
+        Engine(caches, tmp_path / "kv", num_disk_blocks=8, tuning={"io": "threads"})  # type: ignore[arg-type]
+
+
+def test_info_prints_the_tuning_in_force() -> None:
+    env = {"URING_KV_DEBUG_PUMP_SCATTER": "0", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "info"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "pump_scatter=False" in done.stdout
+    bad = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "info"], capture_output=True, text=True,
+                         timeout=120, env={**env, "URING_KV_DEBUG_PUMP": "maybe"})
+    assert bad.returncode == 1 and "URING_KV_DEBUG_PUMP" in bad.stderr
