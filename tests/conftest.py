@@ -230,28 +230,35 @@ async def seed_race(engine: Engine, caches: dict[str, torch.Tensor], calls: int)
     return wrong
 
 
+def use_python_pump(engine: Engine, on: bool = True) -> None:
+    """Make the engine's next calls run in the Python pump (True), as when every native pump is
+    busy, or in native pumps again where it has them (False)."""
+    driver: Any = engine._driver
+    if not hasattr(driver, "native_ring"):
+        driver.native_ring = driver._ring
+    driver._ring = None if on else driver.native_ring
+
+
 def release_on_submit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug the seed race exists for: a load's slot freed as soon as its copy is enqueued (in the
-    per-block path: batches do not go through native pumps here)."""
-    from uring_kv._staging import Kind
+    Python pump: batches do not go through native pumps here)."""
+    from uring_kv._pypump import PyPump
 
     monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
 
-    original_enqueue, original_on_copied = Engine._enqueue_copy, Engine._on_copied
+    original_enqueue, original_on_copied = PyPump._enqueue_copies, PyPump._on_copied
 
-    def enqueue_then_release(self: Engine, batch: Any, group: list[Any]) -> None:
-        original_enqueue(self, batch, group)
-        if batch.kind is Kind.LOAD:
-            for block in group:
-                self.pool.release(block.lease)  # the bug: the copy may still be reading this slot
+    def enqueue_then_release(self: PyPump) -> None:
+        group = list(self._ready)
+        original_enqueue(self)
+        if not self._write:
+            for index, addr, _ in group:
+                self._slot_free(index, addr)  # the bug: the copy may still be reading this slot
 
-    def on_copied(self: Engine, group: list[Any], error: BaseException | None = None) -> None:
-        if group[0].batch.kind is Kind.LOAD:
-            for block in group:
-                block.lease = None
-                self._batch_block_done(block.batch)
-            return
-        original_on_copied(self, group, error)
+    def on_copied(self: PyPump, chunk: list[Any], error: BaseException | None = None) -> None:
+        if not self._write:
+            return  # (released already)
+        original_on_copied(self, chunk, error)
 
-    monkeypatch.setattr(Engine, "_enqueue_copy", enqueue_then_release)
-    monkeypatch.setattr(Engine, "_on_copied", on_copied)
+    monkeypatch.setattr(PyPump, "_enqueue_copies", enqueue_then_release)
+    monkeypatch.setattr(PyPump, "_on_copied", on_copied)

@@ -14,10 +14,10 @@ import torch
 from aio import settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory
 
-from uring_kv import Engine, _engine
+from uring_kv import Engine, _args
 from uring_kv.testing import fill, id_caches, identify
 
-PIECE = _engine.ADMIT_BLOCKS
+PIECE = _args.ADMIT_BLOCKS
 BLOCKS = 8 * PIECE
 
 
@@ -28,7 +28,7 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 def _registered(engine: Engine) -> int:
     """Hazard entries the engine holds: stores' blocks and in-flight reads."""
-    return len(engine._last_store) + len(engine._loads_reading) + sum(map(len, engine._batch_reads.values()))
+    return len(engine._hazards)
 
 
 async def _ticks(engine: Engine, checked: list[int], seen: list[tuple[int, int]]) -> None:
@@ -49,13 +49,13 @@ async def test_a_large_call_is_checked_and_registered_a_piece_per_loop_turn(
     """Between two turns of another task, a call of BLOCKS blocks checks and registers at most a
     piece or two (the scheduler may run two of its steps back to back), never the whole batch."""
     checked = [0]
-    original = _engine._checked_indices
+    original = _args.checked_indices
 
     def counting(items: list[Any], what: str, limit: int, start: int) -> Any:
         checked[0] += len(items)
         return original(items, what, limit, start)
 
-    monkeypatch.setattr(_engine, "_checked_indices", counting)
+    monkeypatch.setattr(_args, "checked_indices", counting)
     caches = id_caches("cpu", layers=1, blocks=BLOCKS)
     async with make_engine(caches, BLOCKS, num_slots=4) as engine:
         blocks = list(range(BLOCKS))
@@ -92,7 +92,7 @@ async def test_a_load_called_during_a_large_stores_admission_sees_that_store(mak
             tasks.spawn(engine.store_batch, blocks, blocks)
             while not engine._admitting:
                 await anyio.lowlevel.checkpoint()
-            assert engine._last_store.get(BLOCKS - 1) is None  # not registered yet
+            assert engine._hazards.writer(BLOCKS - 1) is None  # not registered yet
             await engine.load_batch([BLOCKS - 1], [BLOCKS])
         assert identify(caches, BLOCKS) == (BLOCKS - 1, 2, True)
 
@@ -169,7 +169,7 @@ def test_large_index_arrays_match_small_ones() -> None:
     values = list(range(3 * PIECE + 7))
 
     def run(values: Any) -> Any:
-        steps = _engine._block_indices(values, "disk_blocks", len(values) + 1)
+        steps = _args.block_indices(values, "disk_blocks", len(values) + 1)
         while True:
             try:
                 next(steps)

@@ -530,35 +530,7 @@ async def test_small_cpu_copies_run_inline_and_large_ones_on_the_thread(
 @pytest.mark.parametrize("value", ["-1", "lots"])
 async def test_a_bad_inline_copy_limit_is_refused(make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch,
                                                   value: str) -> None:
+    """Read when the engine is made (into its Tuning): refused there, before anything is set up."""
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", value)
-    engine = make_engine(id_caches("cpu", blocks=8), 8)
     with pytest.raises(ValueError, match=f"URING_KV_HOST_INLINE_BYTES must be a byte count >= 0, got '{value}'"):
-        await engine.open()
-    assert engine.closed
-
-
-async def test_a_batch_looks_ahead_only_as_far_as_free_slots(make_engine: EngineFactory,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Taking slots for a run of hazard-free blocks checks each following block's hazards only as
-    far as there are free slots: scanning to the end of the batch for every group made a batch of
-    n blocks cost O(n²) checks (5-16 per block at 256 blocks; mutation checked)."""
-    from uring_kv import _engine
-
-    checks = [0]
-    real = _engine._all_done
-
-    def counting(futures: list[Any]) -> bool:
-        checks[0] += 1
-        return real(futures)
-
-    monkeypatch.setattr(_engine, "_all_done", counting)
-    caches = id_caches("cpu", layers=2, blocks=256)
-    async with make_engine(caches, 256, num_slots=8) as engine:
-        await store_identity(engine, caches, 256)
-        checks[0] = 0
-        disk = list(range(256))
-        random.Random(5).shuffle(disk)
-        await engine.load_batch(disk, list(range(256)))
-        assert checks[0] <= 2 * 256, f"{checks[0]} hazard checks for 256 blocks"
-        for gpu, d in enumerate(disk):
-            assert identify(caches, gpu)[0] == d
+        make_engine(id_caches("cpu", blocks=8), 8)

@@ -16,7 +16,7 @@ from aio import settle, task_group
 from conftest import EngineFactory, reported_errors
 from faultfs import FaultState
 
-from uring_kv import BlockIOError, _engine
+from uring_kv import BlockIOError, Engine, _pypump
 from uring_kv.testing import block_file, content, fill, id_caches, identify, store_identity
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
@@ -203,12 +203,12 @@ async def test_a_sum_that_raises_fails_the_load_instead_of_hanging_it(make_engin
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2, checksum=True) as engine:
         await store_identity(engine, caches, 2)
-        real = _engine._crc32c
+        real = _pypump.crc32c_of
 
         def broken(addr: int, length: int) -> int:
             raise RuntimeError("injected summing failure")
 
-        monkeypatch.setattr(_engine, "_crc32c", broken)
+        monkeypatch.setattr(_pypump, "crc32c_of", broken)
         with reported_errors() as errors, anyio.fail_after(10):
             with pytest.raises(BlockIOError) as info:
                 await engine.load_batch([0, 1], [4, 5])
@@ -216,7 +216,7 @@ async def test_a_sum_that_raises_fails_the_load_instead_of_hanging_it(make_engin
             fill(caches, 2, 3, 1)
             await engine.store_batch([2], [3])  # written unsummed
         assert len(errors) == 3 and all("summing" in str(error) for error in errors)
-        monkeypatch.setattr(_engine, "_crc32c", real)
+        monkeypatch.setattr(_pypump, "crc32c_of", real)
         for t in caches.values():
             t[4:8].fill_(-1)
         await engine.load_batch([0, 1, 3], [4, 5, 6])  # sums as before; block 3 has none to check
@@ -227,7 +227,7 @@ async def test_a_sum_that_raises_fails_the_load_instead_of_hanging_it(make_engin
 def test_checksum_without_crc32c_is_refused_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "crc32c", None)  # import crc32c now raises ImportError
     with pytest.raises(ImportError, match="checksum=True needs the crc32c package"):
-        _engine.Engine(id_caches("cpu", blocks=2), tmp_path / "kv.bin", 2, 1, checksum=True)
+        Engine(id_caches("cpu", blocks=2), tmp_path / "kv.bin", 2, 1, checksum=True)
 
 
 def _flip_a_byte(path: str, offset: int) -> None:

@@ -11,15 +11,13 @@ are not clear."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 import torch
 from aio import settle, task_group
-from conftest import BOTH_BACKENDS, EngineFactory
+from conftest import BOTH_BACKENDS, EngineFactory, use_python_pump
 from faultfs import FaultState
 
 from uring_kv import Engine
@@ -32,7 +30,7 @@ DRIVERS = {
     "pump-scatter": ("uring", {}),  # native pump, loads read straight into the caches
     "pump-slots": ("uring", {"URING_KV_DEBUG_PUMP_SCATTER": "0"}),  # pump, loads read into slots, memcpy'd
     "pump-copier": ("uring", {"URING_KV_HOST_INLINE_BYTES": "0"}),  # pump, copies on the copier thread
-    "per-block": ("uring", {"URING_KV_DEBUG_PUMP": "0"}),  # io_uring, a handler per block
+    "per-block": ("uring", {"URING_KV_DEBUG_PUMP": "0"}),  # io_uring, the Python pump: a handler per block
     "threads": ("threads", {}),
 }
 
@@ -54,18 +52,10 @@ def io_mode(driver: str) -> str:
     return DRIVERS[driver][0]
 
 
-def _no_free_pump(kind: Any, args: Any) -> Generator[None, None, None]:
-    """What ``Engine._pumped`` gives when every pump is busy: the call goes block by block."""
-    return
-    yield
-
-
 def _per_block(engine: Engine, per_block: bool) -> None:
-    """Make the engine's next calls go block by block (True) or back to pumps where it has them."""
-    if per_block:
-        engine._pumped = _no_free_pump  # type: ignore[method-assign]
-    else:
-        engine.__dict__.pop("_pumped", None)
+    """Make the engine's next calls go through the Python pump, a handler per block (True), or back
+    to native pumps where it has them."""
+    use_python_pump(engine, per_block)
 
 
 def _batch(shape: str, d: int, gpu: list[int], others: list[int]) -> tuple[list[int], list[int]]:
@@ -154,6 +144,34 @@ async def test_a_store_waits_for_the_slowest_of_several_readers(fault_fs: tuple[
                 await engine.store_batch([12], [5])
                 await slow.join()
         assert identify(caches, 1) == (5, 1, True), "the store overtook the slowest reader"
+        await engine.load_batch([5], [13])
+        assert identify(caches, 13) == (5, 2, True)
+
+
+async def test_a_store_waits_for_a_reader_registered_after_another(fault_fs: tuple[Path, FaultState],
+                                                                  make_engine: EngineFactory, driver: str) -> None:
+    """Every read of block 5 is slow: load A of it starts, then load C, then a store of version 2 is
+    called while both read. The store must wait for C too, not only for the first reader it finds
+    (A finishes first; C then still sleeps before it reads the bytes). Mutation: a store waiting
+    only for the first load found reading its block (C then delivered version 2)."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=16)
+    async with make_engine(caches, 12, num_slots=4, path=mountpoint / "kv.bin") as engine:
+        await _stored(engine, caches, list(range(12)), 1)
+        state.slow_down(engine.file.offset(5), engine.file.stride, SLOW, writes=False)
+        with anyio.fail_after(10):
+            async with task_group() as tasks:
+                load_a = tasks.spawn(engine.load_batch, [5], [0])
+                await anyio.sleep(SLOW / 3)
+                load_c = tasks.spawn(engine.load_batch, [4, 5], [1, 2])
+                await anyio.sleep(SLOW / 3)
+                fill(caches, 12, 5, 2)
+                await engine.store_batch([12], [5])
+                await load_a.join()
+                await load_c.join()
+        state.clear()
+        assert identify(caches, 0) == (5, 1, True) and identify(caches, 2) == (5, 1, True), \
+            "the store overtook a reader"
         await engine.load_batch([5], [13])
         assert identify(caches, 13) == (5, 2, True)
 

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Generator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 import torch
 from aio import gather, run_then_cancel, settle, task_group
-from conftest import BOTH_BACKENDS, EngineFactory
+from conftest import BOTH_BACKENDS, EngineFactory, use_python_pump
 from faultfs import FaultState
 
-from uring_kv import Engine, _engine, _native
+from uring_kv import Engine, _driver, _native
 from uring_kv._staging import LeaseState
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
@@ -70,13 +68,13 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
 
 def record_hand_overs(engine: Engine, monkeypatch: pytest.MonkeyPatch, into: list[str]) -> None:
     """Append "submit" to ``into`` each time slots are handed to a pump (its reads then start)."""
-    grow = engine._pump_grow
+    grow = engine._driver._grow  # type: ignore[union-attr]
 
     def recorded_grow(*args: object) -> None:
         into.append("submit")
         grow(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine, "_pump_grow", recorded_grow)
+    monkeypatch.setattr(engine._driver, "_grow", recorded_grow)
 
 
 @pytest.mark.parametrize("hop", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True,
@@ -88,7 +86,7 @@ async def test_io_ready_during_a_batch_set_up_runs_before_its_first_submissions(
     and handing slots to its pump: a task woken by a socket that became ready meanwhile runs first,
     so it waits for one part of the start rather than the whole (a loop-lag spike the bench's probe
     saw). ``no-hop`` turns the yield off and must fail."""
-    monkeypatch.setattr(_engine, "START_HOP", hop)
+    monkeypatch.setattr(_driver, "START_HOP", hop)
     caches = id_caches("cpu", blocks=64)
     async with make_engine(caches, 64, num_slots=4) as engine:
         await store_identity(engine, caches, 64)
@@ -227,7 +225,7 @@ async def test_memcpy_pumps_only_while_all_slots_hold_at_most_1_mib(make_engine:
         pytest.skip("every copy goes to the copier in that case")
     caches = {"k": torch.zeros(64, 16 << 10, dtype=torch.int32)}  # 64 KiB blocks
     async with make_engine(caches, 64, num_slots=slots) as engine:
-        assert (engine._pump_copies is not None) == on_copier
+        assert (engine._driver._pump_copies is not None) == on_copier  # type: ignore[union-attr]
         await store_then_load_shuffled(engine, caches["k"], seed=11)
         assert engine.stats()["pumped_batches"] == 2
 
@@ -328,7 +326,7 @@ async def test_a_store_waits_for_a_pumped_load_of_the_same_block(fault_fs: tuple
         async with task_group() as tasks:
             load = tasks.spawn(engine.load_batch, list(range(8)), list(range(8, 16)))
             await anyio.sleep(0.05)  # the slow read is in flight, the other slots are free again
-            engine._pumped_batches = store_pumped
+            use_python_pump(engine, not store_pumped)
             await engine.store_batch([0], [7])
             await load.join()
         assert identify(caches, 15) == (7, 1, True)
@@ -448,12 +446,6 @@ async def test_batches_beyond_the_free_pumps_run_without_one(make_engine: Engine
         assert 0 < engine.stats()["pumped_batches"] - before < 300
 
 
-def _no_free_pump(kind: Any, args: Any) -> Generator[None, None, None]:
-    """What ``Engine._pumped`` gives when every pump is busy: no run (the call goes per block)."""
-    return
-    yield
-
-
 async def test_an_op_waiting_behind_a_pump_goes_when_its_copy_jobs_hand_slots_back(
         make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch, copies: str) -> None:
     """4 slots, depth 2, slow copies: a pumped load holds 3 slots while a per-block load (no pump
@@ -469,7 +461,7 @@ async def test_an_op_waiting_behind_a_pump_goes_when_its_copy_jobs_hand_slots_ba
             tasks.spawn(engine.load_batch, [0, 1, 2], [4, 5, 6])
             await settle()
             assert engine.pool.held == 3
-            monkeypatch.setattr(engine, "_pumped", _no_free_pump)
+            use_python_pump(engine)
             with anyio.fail_after(10):
                 await engine.load_batch([3], [7])
         assert [identify(caches, g) for g in range(4, 8)] == [(d, 1, True) for d in range(4)]

@@ -13,21 +13,22 @@ The usual fix, a blocking drain at the end of every call, costs the overlap betw
 Here a slot belongs to a :class:`Lease`, and a lease moves forward only when the actor holding it
 says it is finished:
 
-    load:   FREE -> RESERVED -> READING --(read CQE)--> COPYING --(copy event)--> FREE
-    store:  FREE -> RESERVED -> COPYING --(copy event)--> WRITING --(write CQE)--> FREE
-    pumped: FREE -> [RESERVED ->] PUMPING --(the pump hands the slot back)--> FREE
+    FREE -> RESERVED -> PUMPING --(the pump hands the slot back)--> FREE
 
-A PUMPING slot belongs to a native pump (see ``_native.c``), which carries one block after another
-through it, each read then copy or copy then write (a memcpy, or a copy job whose event the native
-copier saw fire), and hands it back only after the last one's CQE and copy: the same rule, applied
-in C. A pump's first slot is acquired like any other (RESERVED, it may wait in the queue); the free
-slots it gets beside it go to it directly (:meth:`SlotPool.take_for_pump`).
+Every batch runs in a *pump* (see ``_driver.py``): a native one (``_native.c``) or the Python one
+(``_pypump.py``). The batch's driver acquires a slot (RESERVED: granted, nothing submitted; it may
+wait in the queue for it) and hands it to the pump (PUMPING); the free slots beside it go to the
+pump directly (:meth:`SlotPool.take_for_pump`). The pump carries one block after another through
+the slot, each read then copy (load) or copy then write (store), and hands the slot back only once
+the last block's I/O completion *and* its copy (a memcpy, or a copy whose event has fired) are done.
+The driver releases the lease then, and only then: from the pump's progress handler, which runs
+after completions, never from a coroutine's ``finally``, an exception or a cancellation. A cancelled
+batch stops its pump from starting blocks; the blocks in flight run to their completions, which
+hand their slots back.
 
-The read/write CQE handler and the bridge's copy-event handler are the only callers of
-:meth:`SlotPool.release` for a lease that has been handed to the kernel or the copy engine. The single
-exception is a RESERVED lease (granted, nothing submitted yet) whose holder was cancelled before it
-used it: nobody else has seen that slot, so it goes straight back. A failed read releases from
-READING in the CQE handler: the kernel is done with the slot, and no copy was ever issued.
+The single exception is a RESERVED lease (granted, never handed to a pump) whose holder was
+cancelled before it used it: nobody else has seen that slot, so it goes straight back
+(:meth:`SlotPool.release_unused`).
 
 Acquisition is FIFO within a class, and loads (latency-critical) are served before stores. Every
 transition is checked: a wrong one raises instead of silently sharing a slot.
@@ -47,15 +48,8 @@ from uring_kv._native import counters
 
 class LeaseState(enum.Enum):
     FREE = "free"
-    RESERVED = "reserved"
-    READING = "reading"
-    COPYING = "copying"
-    WRITING = "writing"
-    PUMPING = "pumping"
-
-    # Members are singletons compared by identity, so identity hashing is consistent, and it is a
-    # C slot: Enum's own __hash__ is Python code, run twice per block by the transition table.
-    __hash__ = object.__hash__
+    RESERVED = "reserved"  # granted to a batch, not yet handed to its pump
+    PUMPING = "pumping"  # a pump's, until it hands the slot back
 
 
 class Kind(enum.IntEnum):
@@ -63,24 +57,12 @@ class Kind(enum.IntEnum):
     STORE = 1
 
 
-_NEXT = {
-    (Kind.LOAD, LeaseState.RESERVED): LeaseState.READING,
-    (Kind.LOAD, LeaseState.READING): LeaseState.COPYING,
-    (Kind.STORE, LeaseState.RESERVED): LeaseState.COPYING,
-    (Kind.STORE, LeaseState.COPYING): LeaseState.WRITING,
-}
-_RELEASABLE = {
-    Kind.LOAD: (LeaseState.READING, LeaseState.COPYING, LeaseState.PUMPING),
-    Kind.STORE: (LeaseState.COPYING, LeaseState.WRITING, LeaseState.PUMPING),
-}
-
-
 class LeaseError(RuntimeError):
     """A lease was moved out of order: a bug that could have shared a slot between two transfers."""
 
 
 class Lease:
-    """Ownership of one staging slot for one block transfer."""
+    """Ownership of one staging slot, from its grant to a batch until its pump hands it back."""
 
     __slots__ = ("addr", "index", "kind", "since", "state")
 
@@ -91,14 +73,8 @@ class Lease:
         self.kind = Kind.LOAD
         self.since = 0.0
 
-    def advance(self, expected: LeaseState) -> None:
-        """Move to the next state of this lease's pipeline; ``expected`` is the state it must be in."""
-        if self.state is not expected:
-            raise LeaseError(f"slot {self.index}: expected {expected.value}, found {self.state.value}")
-        self.state = _NEXT[(self.kind, expected)]
-
     def hand_to_pump(self) -> None:
-        """RESERVED → PUMPING: a native pump now owns the slot until it hands it back."""
+        """RESERVED → PUMPING: the batch's pump now owns the slot until it hands it back."""
         if self.state is not LeaseState.RESERVED:
             raise LeaseError(f"slot {self.index}: expected reserved, found {self.state.value}")
         self.state = LeaseState.PUMPING
@@ -196,8 +172,8 @@ class SlotPool:
         self._hand_on(lease)
 
     def release(self, lease: Lease) -> None:
-        """Called by completion handlers only: the last user of the slot (kernel or copy) is done."""
-        if lease.state not in _RELEASABLE[lease.kind]:
+        """Called once the pump handed the slot back: its last user (kernel or copy) is done."""
+        if lease.state is not LeaseState.PUMPING:
             raise LeaseError(f"slot {lease.index}: cannot release a {lease.kind.name.lower()} lease "
                              f"in state {lease.state.value}")
         self._hand_on(lease)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from uring_kv._engine import Engine
+
+class HasMetrics(Protocol):
+    """What the collector reads: an ``Engine`` (or anything with its ``metrics()`` snapshot)."""
+
+    def metrics(self) -> dict[str, Any]: ...
 
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -58,7 +61,7 @@ class DirectionMetrics:
 class PrometheusCollector:
     """A prometheus-client collector for one engine: ``REGISTRY.register(PrometheusCollector(engine))``."""
 
-    def __init__(self, engine: Engine, prefix: str = "uring_kv", labels: dict[str, str] | None = None) -> None:
+    def __init__(self, engine: HasMetrics, prefix: str = "uring_kv", labels: dict[str, str] | None = None) -> None:
         self.engine = engine
         self.prefix = prefix
         self.labels = dict(labels or {})

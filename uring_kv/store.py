@@ -38,7 +38,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from uring_kv._engine import Engine, _normalise_caches
+from uring_kv._args import normalise_caches
+from uring_kv._engine import Engine
 from uring_kv._file import round_up
 from uring_kv._loop import LoopServices, current_services
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
@@ -89,7 +90,7 @@ class BlockStore:
         if capacity_bytes is not None:
             if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
                 raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
-            _, tensors = _normalise_caches(caches)
+            _, tensors = normalise_caches(caches)
             padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
             capacity_blocks = capacity_bytes // padded
             if capacity_blocks < 1:

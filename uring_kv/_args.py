@@ -1,0 +1,122 @@
+"""Checking what callers pass: cache tensors, block indices (in steps, for huge batches) and the
+size of a disk; every refusal is one line naming the argument."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from uring_kv._native import block_array, check_blocks, copy_blocks
+
+# Most blocks of one call checked or registered per loop callback (a few hundred µs of Python at
+# most); a larger call is admitted over several loop turns (see Engine._admit).
+ADMIT_BLOCKS = 512
+
+
+class Args(NamedTuple):
+    """A call's validated arguments; the block indices also as C int64 arrays."""
+    disk: list[int]
+    gpu: list[int]
+    after: Any
+    disk_c: Any
+    gpu_c: Any
+
+
+def block_indices(values: Iterable[Any], what: str, limit: int) -> Generator[None, None, tuple[list[int], Any]]:
+    """The entries as a list and as a C int64 array, each checked to be an integer in [0, limit);
+    ADMIT_BLOCKS entries per step."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}")
+    try:
+        items = list(values.tolist() if hasattr(values, "tolist") else values)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}") from None
+    n = len(items)
+    if n <= ADMIT_BLOCKS:
+        return checked_indices(items, what, limit, 0)
+    out, array = [], block_array(n)
+    for lo in range(0, n, ADMIT_BLOCKS):
+        yield
+        checked, piece = checked_indices(items[lo:lo + ADMIT_BLOCKS], what, limit, lo)
+        out += checked
+        copy_blocks(array, lo, piece, len(checked))
+    return out, array
+
+
+def checked_indices(items: list[Any], what: str, limit: int, start: int) -> tuple[list[int], Any]:
+    """``items`` (entries ``start``... of ``what``) as a list of ints and a C int64 array."""
+    # The common case (plain ints) is converted and range-checked in C; anything else goes through
+    # the loop below, which names the first bad entry.
+    if set(map(type, items)) <= {int}:
+        with contextlib.suppress(OverflowError):  # beyond int64: the loop says which is out of range
+            array = block_array(items)
+            if check_blocks(array, len(items), limit) < 0:
+                return items, array
+    out = []
+    for position, value in enumerate(items, start):
+        if isinstance(value, bool):
+            raise TypeError(f"{what}[{position}] is a bool, not a block index")
+        try:
+            index = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{what}[{position}] must be an integer, got {type(value).__name__}") from None
+        if not 0 <= index < limit:
+            raise ValueError(f"{what}[{position}] = {index} is out of range [0, {limit})")
+        out.append(index)
+    return out, block_array(out)
+
+
+def normalise_caches(caches: Any) -> tuple[list[str], list[Any]]:
+    import torch
+
+    if isinstance(caches, torch.Tensor):
+        raise TypeError("caches must be a mapping name → tensor or a sequence of tensors, not one tensor")
+    if isinstance(caches, Mapping):
+        names, tensors = [str(k) for k in caches], list(caches.values())
+    elif isinstance(caches, Sequence):
+        tensors = list(caches)
+        names = [str(i) for i in range(len(tensors))]
+    else:
+        raise TypeError(f"caches must be a mapping or a sequence of tensors, got {type(caches).__name__}")
+    if not tensors:
+        raise ValueError("caches is empty: at least one tensor is needed")
+    for name, t in zip(names, tensors, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cache {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.dim() < 1 or t.shape[0] == 0 or t.numel() == 0:
+            raise ValueError(f"cache {name!r} has no blocks (shape {tuple(t.shape)})")
+        if not t.is_contiguous():  # (a view whose blocks are not one run each, or overlap: as_strided, a slice
+            # of an inner dim, an expanded dim): its block bytes would reach memory it does not own
+            raise ValueError(f"cache {name!r} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
+                             "each block (dim 0) must be one contiguous run of its own bytes")
+        if t.device != tensors[0].device:
+            raise ValueError(f"cache {name!r} is on {t.device}, cache {names[0]!r} on {tensors[0].device}: "
+                             "all caches must be on one device")
+        if t.shape[0] != tensors[0].shape[0]:
+            raise ValueError(f"cache {name!r} has {t.shape[0]} blocks, cache {names[0]!r} has "
+                             f"{tensors[0].shape[0]}: every cache needs the same number of blocks")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"cache {name!r} is on {t.device}; only CUDA and CPU tensors are supported")
+    return names, tensors
+
+
+def index_bytes(num_disk_blocks: int) -> int:
+    """Memory of the per-disk-block index: two bitmaps (stored; a store's repeat check)."""
+    return 2 * 8 * ((num_disk_blocks + 63) // 64)
+
+
+def check_disk_size(num_disk_blocks: int, block_bytes: int) -> None:
+    """Refuse, naming the argument, a disk the index's memory or a file offset cannot hold. No
+    syscall on the filesystem here (this runs on the caller's loop): a file larger than the
+    filesystem allows is refused by open(), from its ftruncate."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if (need := index_bytes(num_disk_blocks)) > memory // 4:
+        raise ValueError(f"num_disk_blocks={num_disk_blocks} needs {need / 2**30:.1f} GiB of index memory "
+                         f"(2 bits per block), over a quarter of this machine's {memory / 2**30:.1f} GiB")
+    file_bytes = num_disk_blocks * -(-block_bytes // 512) * 512  # at least: blocks pad to >= 512 bytes
+    if file_bytes > 2**63 - 1:
+        raise ValueError(f"num_disk_blocks={num_disk_blocks}: a file of {file_bytes} bytes is beyond any file "
+                         "offset (2**63 - 1)")

@@ -1,0 +1,114 @@
+"""A batch (one ``load_batch``/``store_batch`` call) from admission to its end: its futures, the
+handle the caller gets, and the books (``Batches``): the active set, the event recorded after its
+last copy, the per-direction metrics, the error naming every failed block."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from uring_kv._loop import LoopServices
+from uring_kv._staging import Kind
+from uring_kv.errors import BlockIOError
+from uring_kv.metrics import DirectionMetrics
+
+bind = functools.partial  # handler(arg, *completion args): a C-level call, no Python frame of its own
+
+
+@dataclass(eq=False)
+class Batch:
+    kind: Kind
+    remaining: int  # blocks not finished (0 once its pump finished)
+    done: Any  # future: every block finished (BlockIOError naming the failed ones)
+    enqueued: Any  # future: every copy enqueued; its result is the event of the last one
+    to_enqueue: int  # blocks whose copy is not enqueued yet (nor will be: failed, skipped)
+    failures: dict[int, int] = field(default_factory=dict)  # disk block → errno
+    last_event: Any = None  # for the caller: fires once every copy of the batch is done
+    copied: bool = False  # some copy of this batch was enqueued
+    marking: bool = False  # the copier was asked for the batch's event
+    size: int = 0
+    skipped: int = 0  # blocks never started (the batch was cancelled)
+    created: float = field(default_factory=time.monotonic)
+
+
+class TransferHandle:
+    """A batch whose copies are enqueued. ``event`` (GPU mode) fires when every block has arrived
+    on the device (load) or in the staging slots (store); ``await handle`` waits until the batch is
+    complete (resident on the device, or written to the file) and raises its I/O errors."""
+
+    def __init__(self, batch: Batch, event: Any, services: LoopServices) -> None:
+        self._batch = batch
+        self.event = event
+        self._svc = services
+
+    def wait_on(self, stream: Any) -> None:
+        """Make ``stream`` wait for this batch's copies (GPU mode)."""
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+    def __await__(self) -> Any:
+        # Through wait(): a cancelled awaiter must not cancel the batch's own future, which the
+        # engine still needs to see finish.
+        return self._svc.wait(self._batch.done).__await__()
+
+
+class Batches:
+    """The engine's active batches and their accounting."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.services: Any = None  # the engine's LoopServices, from open()
+        self._block_bytes = block_bytes
+        self.active: set[Batch] = set()
+        self.metrics = {Kind.LOAD: DirectionMetrics(), Kind.STORE: DirectionMetrics()}
+        self.copier: Any = None  # set once the engine has one: marker() for the batch's last event
+
+    def new(self, kind: Kind, count: int) -> Batch:
+        create = self.services.create_future
+        batch = Batch(kind, count, create(), create(), count, size=count)
+        self.active.add(batch)
+        if count == 0:
+            self.check(batch)
+        return batch
+
+    def enqueued_some(self, batch: Batch, count: int, copied: bool) -> None:
+        """``count`` more blocks of ``batch`` had their copy enqueued (``copied``) or never will."""
+        batch.to_enqueue -= count
+        if copied:
+            batch.copied = True
+        self.check_enqueued(batch)
+
+    def check_enqueued(self, batch: Batch) -> None:
+        if batch.to_enqueue == 0 and not batch.marking and not batch.enqueued.done():
+            if batch.copied:  # one event for the caller, recorded after the batch's last copy
+                batch.marking = True
+                self.copier.marker(batch.kind is Kind.STORE, bind(self._marked, batch))
+            else:
+                batch.enqueued.set_result(None)
+
+    def _marked(self, batch: Batch, event: Any) -> None:
+        batch.last_event = event
+        if not batch.enqueued.done():
+            batch.enqueued.set_result(event)
+
+    def check(self, batch: Batch) -> None:
+        """Finish ``batch`` once none of its blocks remains: metrics, then its future."""
+        self.check_enqueued(batch)
+        if batch.remaining > 0 or batch.done.done():
+            return
+        self.active.discard(batch)
+        stats = self.metrics[batch.kind]
+        moved = batch.size - len(batch.failures) - batch.skipped
+        stats.batches += 1
+        stats.blocks += moved
+        stats.bytes += moved * self._block_bytes
+        stats.failed_blocks += len(batch.failures)
+        stats.cancelled_blocks += batch.skipped
+        stats.batch_latency_s.observe(time.monotonic() - batch.created)
+        if batch.failures:
+            batch.done.set_exception(BlockIOError("load" if batch.kind is Kind.LOAD else "store", batch.failures))
+        else:
+            batch.done.set_result(None)
+        if batch.failures and not batch.done.cancelled():
+            batch.done.exception()  # mark retrieved: a cancelled caller may never look at it
