@@ -29,34 +29,31 @@ from typing import Any
 import torch
 
 from uring_kv import Engine
-from uring_kv import _engine as engine_module
 from uring_kv._bench import LagTicker
 from uring_kv._peers import RingCeiling
 
 stamps: dict[str, float] = {}
-_grow, _finish = engine_module.Engine._pump_grow, engine_module.Engine._pump_finish
 
 
-def _timed_grow(self: Any, run: Any, leases: Any) -> None:
-    stamps.setdefault("grow", time.perf_counter())
-    _grow(self, run, leases)
-    stamps.setdefault("submitted", time.perf_counter())
-
-
-def _timed_finish(self: Any, run: Any) -> None:
-    stamps["finished"] = time.perf_counter()
-    _finish(self, run)
+def _tracer(event: str, kind: Any, count: int) -> None:
+    """The engine's diagnostic hook: the first hand-over of slots (before, after) and the finish."""
+    now = time.perf_counter()
+    if event == "grow":
+        stamps.setdefault("grow", now)
+    elif event == "grown":
+        stamps.setdefault("submitted", now)
+    elif event == "finished":
+        stamps["finished"] = now
 
 
 async def main(args: argparse.Namespace) -> None:
-    engine_module.Engine._pump_grow = _timed_grow  # type: ignore[method-assign]
-    engine_module.Engine._pump_finish = _timed_finish  # type: ignore[method-assign]
     layers, block = 32, args.block_size
     blocks = (1 << 30) // block
     caches = [torch.zeros(256, block // layers // 2, dtype=torch.float16, device=args.device) for _ in range(layers)]
     path = os.path.join(tempfile.gettempdir(), f"uring-kv-batch-phases-{os.getpid()}.bin")
     rows: list[tuple[float, float, float, float]] = []
     async with Engine(caches, path, blocks, 48, direct=True, io_depth=32) as engine:
+        engine.trace(_tracer)
         for first in range(0, blocks, 256):
             await engine.store_batch(list(range(256)), list(range(first, first + 256)))
         ceiling = RingCeiling(engine.file.fd, engine.file.stride, 32)

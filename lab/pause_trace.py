@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from uring_kv import Engine, _copy, _io
+from uring_kv import Engine, _copy, _driver, _io
 
 trace: dict[str, list[Any]] = defaultdict(list)
 live = [False]
 runs: list[Any] = []
 ring: list[Any] = []  # the engine's ring, for the reads in flight after a collection
-_wakeup, _collect, _grow, _finish = (_io.UringBackend._on_wakeup, _copy._NativeLink._collect, Engine._pump_grow,
-                                     Engine._pump_finish)
+_wakeup, _collect, _grow, _finish = (_io.UringBackend._on_wakeup, _copy._NativeLink._collect, _driver.Driver._grow,
+                                     _driver.Driver._finish)
 
 
 def _traced_wakeup(self: _io.UringBackend) -> None:
@@ -64,7 +64,7 @@ def _traced_collect(self: Any) -> None:
             trace["inflight"].append((end, ring[0].pump_io()[0]))
 
 
-def _traced_grow(self: Engine, run: Any, leases: Any) -> None:
+def _traced_grow(self: _driver.Driver, run: Any, leases: Any) -> None:
     if run not in runs:
         runs.append(run)
         trace["submitted"].append(time.perf_counter())
@@ -73,7 +73,7 @@ def _traced_grow(self: Engine, run: Any, leases: Any) -> None:
         trace["inflight"].append((time.perf_counter(), ring[0].pump_io()[0]))
 
 
-def _traced_finish(self: Engine, run: Any) -> None:
+def _traced_finish(self: _driver.Driver, run: Any) -> None:
     trace["finished"].append(time.perf_counter())
     _finish(self, run)
 
@@ -110,8 +110,8 @@ def _summary(batches: list[dict[str, Any]]) -> dict[str, str]:
 async def main(args: argparse.Namespace) -> None:
     _io.UringBackend._on_wakeup = _traced_wakeup  # type: ignore[method-assign]
     _copy._NativeLink._collect = _traced_collect  # type: ignore[method-assign]
-    Engine._pump_grow = _traced_grow  # type: ignore[method-assign]
-    Engine._pump_finish = _traced_finish  # type: ignore[method-assign]
+    _driver.Driver._grow = _traced_grow  # type: ignore[method-assign]
+    _driver.Driver._finish = _traced_finish  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     selector = loop._selector  # type: ignore[attr-defined]
     select = selector.select

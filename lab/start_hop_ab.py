@@ -1,4 +1,4 @@
-"""A pumped batch's start with and without its loop yield (``uring_kv._engine.START_HOP``), A/B.
+"""A pumped batch's start with and without its loop yield (``Tuning.start_hop``, ``URING_KV_DEBUG_START_HOP``), A/B.
 
 ``lag``: random 256-block O_DIRECT loads through one engine (32 layers, 48 slots, depth 32),
 the hop on and off alternating every round of 10 batches, the bench's pipe probe around them.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from uring_kv import Engine, _engine
+from uring_kv import Engine, Tuning
 from uring_kv._bench import LagTicker
 
 
@@ -78,15 +79,19 @@ async def lag(args: argparse.Namespace) -> dict[str, Any]:
     probe: dict[bool, list[float]] = {True: [], False: []}
     woken: dict[bool, list[float]] = {True: [], False: []}
     batch_s: dict[bool, list[float]] = {True: [], False: []}
-    async with Engine(caches, path, blocks, 48, direct=True, io_depth=32) as engine:
-        for first in range(0, blocks, 256):
-            await engine.store_batch(list(range(256)), list(range(first, first + 256)))
+    tuning = Tuning.from_env()
+    engines = {hop: Engine(caches, f"{path}.{hop}", blocks, 48, direct=True, io_depth=32,
+                           tuning=dataclasses.replace(tuning, start_hop=hop)) for hop in (True, False)}
+    async with engines[True], engines[False]:
+        for engine in engines.values():
+            for first in range(0, blocks, 256):
+                await engine.store_batch(list(range(256)), list(range(first, first + 256)))
         rng = random.Random(1)
         gc.collect()
         gc.freeze()
         for round_index in range(args.rounds):
             for hop in ((True, False) if round_index % 2 else (False, True)):
-                _engine.START_HOP = hop
+                engine = engines[hop]
                 with TaskTicker() as ticker:
                     await asyncio.sleep(0.01)
                     for _ in range(10):
@@ -96,7 +101,6 @@ async def lag(args: argparse.Namespace) -> dict[str, Any]:
                         batch_s[hop].append(time.perf_counter() - start)
                 probe[hop] += ticker.samples
                 woken[hop] += ticker.task_samples
-    _engine.START_HOP = True
     out = {}
     for hop in (True, False):
         p, t = probe[hop], woken[hop]
@@ -127,7 +131,7 @@ def main() -> int:
     if args.what == "bench":
         from uring_kv.cli import main as cli_main
 
-        _engine.START_HOP = args.hop == "on"
+        os.environ["URING_KV_DEBUG_START_HOP"] = "1" if args.hop == "on" else "0"
         rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
         return cli_main(["bench", *rest])
     result = asyncio.run(lag(args))

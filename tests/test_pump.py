@@ -20,7 +20,7 @@ from aio import gather, run_then_cancel, settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory, use_python_pump
 from faultfs import FaultState
 
-from uring_kv import Engine, _driver, _native
+from uring_kv import Engine, _native
 from uring_kv._staging import LeaseState
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
@@ -68,13 +68,12 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
 
 def record_hand_overs(engine: Engine, monkeypatch: pytest.MonkeyPatch, into: list[str]) -> None:
     """Append "submit" to ``into`` each time slots are handed to a pump (its reads then start)."""
-    grow = engine._driver._grow  # type: ignore[union-attr]
 
-    def recorded_grow(*args: object) -> None:
-        into.append("submit")
-        grow(*args)  # type: ignore[arg-type]
+    def tracer(event: str, kind: object, count: int) -> None:
+        if event == "grow":
+            into.append("submit")
 
-    monkeypatch.setattr(engine._driver, "_grow", recorded_grow)
+    engine.trace(tracer)
 
 
 @pytest.mark.parametrize("hop", [True, pytest.param(False, marks=pytest.mark.xfail(strict=True,
@@ -86,7 +85,7 @@ async def test_io_ready_during_a_batch_set_up_runs_before_its_first_submissions(
     and handing slots to its pump: a task woken by a socket that became ready meanwhile runs first,
     so it waits for one part of the start rather than the whole (a loop-lag spike the bench's probe
     saw). ``no-hop`` turns the yield off and must fail."""
-    monkeypatch.setattr(_driver, "START_HOP", hop)
+    monkeypatch.setenv("URING_KV_DEBUG_START_HOP", "1" if hop else "0")
     caches = id_caches("cpu", blocks=64)
     async with make_engine(caches, 64, num_slots=4) as engine:
         await store_identity(engine, caches, 64)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +30,6 @@ from uring_kv._pypump import PyPump, Summer
 from uring_kv._staging import Kind, Lease, SlotPool
 from uring_kv._tuning import Tuning
 
-START_HOP = True  # a batch yields the loop between set-up and hand-over (Driver.drive); False: A/B only
 COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call of the Python pump
 PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
 
@@ -146,6 +145,8 @@ class Driver:
         staged = getattr(copier, "staged", False)
         self._copy_call_blocks = STAGED_MAX if staged else max(1, COPY_CALL_PIECES // len(tensors))
         self.pumped = 0  # batches run in native pumps
+        self._start_hop = tuning.start_hop
+        self.tracer: Callable[[str, Kind, int], None] | None = None  # see Engine.trace
         # Batches on io_uring run in native pumps unless something per block needs Python
         # (checksums). Their copies are memcpys in the reap when a block's copy may run on the loop
         # (CPU mode's inline copies; under a depth below the slot count the spare slots park, and a
@@ -240,7 +241,7 @@ class Driver:
     async def _drive(self, run: Run) -> TransferHandle:
         batch, pump, kind, svc, pool = run.batch, run.pump, run.batch.kind, self._svc, self._pool
         try:
-            if START_HOP:
+            if self._start_hop:
                 await svc.yield_to_io()
             for dep in run.deps:
                 if not dep.done():
@@ -286,7 +287,12 @@ class Driver:
 
     def _grow(self, run: Run, leases: list[Lease]) -> None:
         """Give the pump ``leases`` (PUMPING already): their slots are its until it hands them back."""
+        tracer = self.tracer
+        if tracer is not None:
+            tracer("grow", run.batch.kind, len(leases))
         run.pump.give([lease.index for lease in leases], [lease.addr for lease in leases])
+        if tracer is not None:
+            tracer("grown", run.batch.kind, len(leases))
         self._progress(run)
 
     def _progress(self, run: Run) -> None:
@@ -311,6 +317,8 @@ class Driver:
             run.wake.set_result(None)
 
     def _finish(self, run: Run) -> None:
+        if self.tracer is not None:
+            self.tracer("finished", run.batch.kind, run.pump.started)
         run.finished = True
         pump = run.pump
         pump.close()

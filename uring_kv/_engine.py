@@ -123,6 +123,7 @@ class Engine:
         self._admitting: deque[Any] = deque()  # futures: the calls being admitted, in call order
         self._batches = Batches(self.block_bytes)  # the active batches and their metrics
         self._driver: Driver | None = None
+        self._tracer: Callable[[str, Kind, int], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> Engine:
@@ -190,6 +191,7 @@ class Engine:
         self._driver = Driver(self._svc, tuning, self.file, self.pool, self.io, self.copier, blocks, self._contents,
                               self._hazards, self._batches, self.gpu, self.checksum, self._tensors,
                               self._tensor_block_bytes)
+        self._driver.tracer = self._tracer
 
     def _release(self) -> None:
         """Free whatever open() set up, last part first, each part even if an earlier one failed
@@ -350,6 +352,14 @@ class Engine:
             "loads_into_caches": self._driver is not None and self._driver.native and self._driver.scatter,
             "tuning": self.tuning.as_dict(),
         }
+
+    def trace(self, tracer: Callable[[str, Kind, int], None] | None) -> None:
+        """Diagnostics (for timing studies; may change): ``tracer(event, kind, count)`` runs on the
+        loop when a batch's pump is given slots (``"grow"`` before, ``"grown"`` after: its first
+        I/O has been submitted) and when it finishes (``"finished"``, with the blocks it started)."""
+        self._tracer = tracer
+        if self._driver is not None:
+            self._driver.tracer = tracer
 
     # ----------------------------------------------------------------- public API
     async def load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int], after: Any = None) -> None:

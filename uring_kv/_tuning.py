@@ -63,6 +63,7 @@ class Tuning:
     native_copier: bool = True  # False: the Python copy threads and bridge
     cuda_staged: bool = True  # False: no device staging + scatter kernel
     cuda_batch: bool = True  # False: no cuMemcpyBatchAsync (one driver call per piece)
+    start_hop: bool = True  # False: a batch does not yield the loop between its set-up and first I/O
 
     def __post_init__(self) -> None:
         if self.io not in ("auto", "uring", "threads"):
@@ -100,6 +101,7 @@ class Tuning:
             native_copier=on("NATIVE_COPIER", d.native_copier),
             cuda_staged=on("CUDA_STAGED", d.cuda_staged),
             cuda_batch=on("CUDA_BATCH", d.cuda_batch),
+            start_hop=on("START_HOP", d.start_hop),
         )
 
     def as_dict(self) -> dict[str, Any]:
