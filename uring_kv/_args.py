@@ -69,6 +69,28 @@ def checked_indices(items: list[Any], what: str, limit: int, start: int) -> tupl
     return out, block_array(out)
 
 
+def check_call(disk_blocks: Any, gpu_blocks: Any, after: Any, store: bool, num_disk_blocks: int, num_gpu_blocks: int,
+               seen_disk: Any, seen_gpu: Any, gpu: bool) -> Generator[None, None, Args]:
+    """A ``load_batch``/``store_batch`` call's arguments, checked (``seen_*``: scratch bitmaps for
+    the repeat checks); ADMIT_BLOCKS indices per step."""
+    disk, disk_c = yield from block_indices(disk_blocks, "disk_blocks", num_disk_blocks)
+    cache, cache_c = yield from block_indices(gpu_blocks, "gpu_blocks", num_gpu_blocks)
+    if len(disk) != len(cache):
+        raise ValueError(f"disk_blocks has {len(disk)} entries but gpu_blocks has {len(cache)}")
+    if (dup := check_blocks(cache_c, len(cache), num_gpu_blocks, seen_gpu)) >= 0:
+        raise ValueError(f"gpu block {cache[dup]} appears twice in one batch")
+    if store and (dup := check_blocks(disk_c, len(disk), num_disk_blocks, seen_disk)) >= 0:
+        raise ValueError(f"disk block {disk[dup]} appears twice in one store batch")
+    if after is not None:
+        if not gpu:
+            raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
+        import torch
+
+        if not isinstance(after, torch.cuda.Event):
+            raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
+    return Args(disk, cache, after, disk_c, cache_c)
+
+
 def normalise_caches(caches: Any) -> tuple[list[str], list[Any]]:
     import torch
 

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-from uring_kv._args import Args, block_indices, check_disk_size, index_bytes, normalise_caches
+from uring_kv._args import check_call, check_disk_size, index_bytes, normalise_caches
 from uring_kv._batch import Batches, TransferHandle
 from uring_kv._blocks import Contents, HazardTable
 from uring_kv._bridge import Bridge
@@ -27,7 +27,7 @@ from uring_kv._driver import Driver, Run
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, open_backend
 from uring_kv._loop import current_services
-from uring_kv._native import BlockCopier, bitmap, check_blocks
+from uring_kv._native import BlockCopier, bitmap
 from uring_kv._staging import Kind, SlotPool
 from uring_kv._tuning import Tuning
 from uring_kv.errors import EngineClosedError
@@ -445,7 +445,10 @@ class Engine:
     def _admission(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any,
                    native: bool) -> Generator[None, None, Run]:
         """Check the call, then register its hazards (yielding between pieces of a large batch)."""
-        args = yield from self._validate(disk_blocks, gpu_blocks, after, kind)
+        if self._state != "open":
+            raise EngineClosedError(f"engine is {self._state}")
+        args = yield from check_call(disk_blocks, gpu_blocks, after, kind is Kind.STORE, self.num_disk_blocks,
+                                     self.num_gpu_blocks, self._seen_disk, self._seen_gpu, self.gpu)
         if self._state != "open":  # closed while a large call was being checked
             raise EngineClosedError(f"engine is {self._state}")
         assert self._driver is not None
@@ -456,26 +459,6 @@ class Engine:
         return await self._driver.run(run, wait)
 
     # ----------------------------------------------------------------- internals
-    def _validate(self, disk_blocks: Any, gpu_blocks: Any, after: Any, kind: Kind) -> Generator[None, None, Args]:
-        if self._state != "open":
-            raise EngineClosedError(f"engine is {self._state}")
-        disk, disk_c = yield from block_indices(disk_blocks, "disk_blocks", self.num_disk_blocks)
-        gpu, gpu_c = yield from block_indices(gpu_blocks, "gpu_blocks", self.num_gpu_blocks)
-        if len(disk) != len(gpu):
-            raise ValueError(f"disk_blocks has {len(disk)} entries but gpu_blocks has {len(gpu)}")
-        if (dup := check_blocks(gpu_c, len(gpu), self.num_gpu_blocks, self._seen_gpu)) >= 0:
-            raise ValueError(f"gpu block {gpu[dup]} appears twice in one batch")
-        if kind is Kind.STORE and (dup := check_blocks(disk_c, len(disk), self.num_disk_blocks,
-                                                       self._seen_disk)) >= 0:
-            raise ValueError(f"disk block {disk[dup]} appears twice in one store batch")
-        if after is not None:
-            if not self.gpu:
-                raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
-            import torch
-
-            if not isinstance(after, torch.cuda.Event):
-                raise TypeError(f"after must be a torch.cuda.Event, got {type(after).__name__}")
-        return Args(disk, gpu, after, disk_c, gpu_c)
 
 
 def _close_file(file: BlockFile) -> None:
