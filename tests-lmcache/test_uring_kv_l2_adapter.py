@@ -388,3 +388,51 @@ def test_close_with_tasks_in_flight_reports_each_once_and_leaves_nothing(
         adapter.submit_unlock([key(0)])
         adapter.close()
         assert list(mount.iterdir()) == []
+
+
+def test_lmcaches_server_starts_with_the_adapter_and_shuts_down_clean(tmp_path: Path) -> None:
+    """`lmcache server` (LMCache's own process, CPU only) with the documented ``--l2-adapter`` line:
+    its storage manager builds the adapter, its status page reports it healthy, and on SIGTERM
+    it exits leaving nothing in root_dir. (A store/load round trip through the server needs a
+    serving engine's client: its store and retrieve requests carry KV from the engine's buffers.)"""
+    import signal
+    import socket
+    import urllib.request
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    port, http_port = free_port(), free_port()
+    root = tmp_path / "kv"
+    root.mkdir()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("lmcache")), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--http-host", "127.0.0.1", "--http-port", str(http_port), "--l1-size-gb", "0.05",
+         "--eviction-policy", "LRU", "--l2-adapter", spec(root)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        status: dict[str, Any] | None = None
+        while status is None:
+            assert server.poll() is None, f"the server exited: {server.communicate()[0][-3000:]}"
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=2) as reply:
+                    status = json.load(reply)
+            except OSError:
+                time.sleep(0.5)
+        (adapter,) = status["storage_manager"]["l2_adapters"]
+        assert adapter["type"] == "UringKVL2Adapter" and adapter["is_healthy"], adapter
+        assert adapter["root_dir"] == str(root)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            output = server.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            server.kill()
+            output = server.communicate()[0]
+            pytest.fail(f"the server did not exit on SIGTERM: {output[-3000:]}")
+    assert list(root.iterdir()) == []
+    assert "Traceback" not in output, output[-3000:]
