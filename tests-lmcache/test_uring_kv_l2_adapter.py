@@ -436,3 +436,20 @@ def test_lmcaches_server_starts_with_the_adapter_and_shuts_down_clean(tmp_path: 
             pytest.fail(f"the server did not exit on SIGTERM: {output[-3000:]}")
     assert list(root.iterdir()) == []
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_every_store_result_is_popped_exactly_once_while_tasks_complete(
+        tmp_path: Path, adapters: list[UringKVL2Adapter]) -> None:
+    """LMCache's store controller pops completed stores while others complete: 400 one-chunk tasks,
+    popped in a tight loop from the submitting thread; each result comes out exactly once (a result
+    posted into a table just swapped out by a pop would be lost: a task that never completes)."""
+    adapter = build(spec(tmp_path, capacity_chunks=512, rows="staging", direct=False))
+    adapters.append(adapter)
+    src = standalone(1)
+    fill(src, 11)
+    submitted = [adapter.submit_store_task([key(i)], src) for i in range(400)]
+    seen: list[int] = []
+    deadline = time.monotonic() + TIMEOUT
+    while len(seen) < len(submitted) and time.monotonic() < deadline:
+        seen += list(adapter.pop_completed_store_tasks())
+    assert sorted(seen) == submitted

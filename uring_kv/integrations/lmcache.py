@@ -205,15 +205,15 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
     # ---------------------------------------------------------------- submits (any thread)
     def submit_store_task(self, keys: list[Any], objects: list[Any]) -> int:
         return self._submit(lambda tid: self._store_task(tid, list(keys), list(objects)),
-                            lambda tid: self._post(self._stores_done, tid, L2StoreResult(False, 0), self._store_efd))
+                            lambda tid: self._post("_stores_done", tid, L2StoreResult(False, 0), self._store_efd))
 
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None) -> int:
         return self._submit(lambda tid: self._lookup_task(tid, list(keys)),
-                            lambda tid: self._post(self._lookups_done, tid, Bitmap(len(keys)), self._lookup_efd))
+                            lambda tid: self._post("_lookups_done", tid, Bitmap(len(keys)), self._lookup_efd))
 
     def submit_load_task(self, keys: list[Any], objects: list[Any]) -> int:
         return self._submit(lambda tid: self._load_task(tid, list(keys), list(objects)),
-                            lambda tid: self._post(self._loads_done, tid, Bitmap(len(keys)), self._load_efd))
+                            lambda tid: self._post("_loads_done", tid, Bitmap(len(keys)), self._load_efd))
 
     def submit_unlock(self, keys: list[Any]) -> None:
         encoded = [_key(key) for key in keys]
@@ -251,9 +251,11 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         with self._lock:
             self._in_flight.discard(future)
 
-    def _post(self, table: dict[int, Any], task_id: int, result: Any, efd: Any) -> None:
+    def _post(self, table: str, task_id: int, result: Any, efd: Any) -> None:
+        """Put a task's result in its table (named: pop_completed_store_tasks swaps the store
+        table, so it is looked up under the lock), then signal the task's eventfd."""
         with self._lock:
-            table[task_id] = result
+            getattr(self, table)[task_id] = result
             if self._closed:
                 return
             efd.notify()
@@ -266,7 +268,7 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         except Exception:
             logger.exception("UringKVL2Adapter: store task %d (%d keys) failed", task_id, len(keys))
         finally:
-            self._post(self._stores_done, task_id, result, self._store_efd)
+            self._post("_stores_done", task_id, result, self._store_efd)
 
     async def _store_objects(self, keys: list[Any], objects: list[Any]) -> L2StoreResult:
         if len(keys) != len(objects):
@@ -322,7 +324,7 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             logger.exception("UringKVL2Adapter: lookup task %d (%d keys) failed", task_id, len(keys))
             bitmap = Bitmap(len(keys))
         finally:
-            self._post(self._lookups_done, task_id, bitmap, self._lookup_efd)
+            self._post("_lookups_done", task_id, bitmap, self._lookup_efd)
 
     async def _unlock(self, keys: list[bytes]) -> None:
         store = self._store
@@ -348,7 +350,7 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             logger.exception("UringKVL2Adapter: load task %d (%d keys) failed", task_id, len(keys))
             bitmap = Bitmap(len(keys))  # nothing vouched for
         finally:
-            self._post(self._loads_done, task_id, bitmap, self._load_efd)
+            self._post("_loads_done", task_id, bitmap, self._load_efd)
 
     async def _load_objects(self, keys: list[Any], objects: list[Any]) -> list[int]:
         """The positions of the keys whose bytes are now in their objects."""
