@@ -279,7 +279,7 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         fresh: dict[bytes, tuple[Any, Any]] = {}  # the keys to write (a key twice is written once)
         for key, obj in zip(keys, objects, strict=True):
             encoded = _key(key)
-            if not store.contains(encoded):  # one held already is only refreshed by LMCache's L1
+            if not store.contains(encoded):  # one held already is not written again
                 fresh.setdefault(encoded, (key, obj))
         in_place, staged = self._place({k: obj for k, (_, obj) in fresh.items()})
         written: list[bytes] = []
