@@ -165,6 +165,43 @@ async def test_a_block_being_read_is_never_evicted(make_store: StoreFactory) -> 
         assert store.stats()["no_room"] == 1 and store.stats()["pinned"] == 0
 
 
+async def test_a_pinned_key_is_never_evicted_until_unpinned(make_store: StoreFactory) -> None:
+    """Capacity 2, keys 0 and 1, key 0 pinned (a framework's lookup-and-lock): a put of keys 2 and 3
+    evicts key 1 for key 2 and finds no room for key 3; once unpinned, key 0 is evicted in its LRU
+    turn. A pin of a missing key is None; a failed load of a pinned key drops it, and its block is
+    freed by the unpin. Unpins after close do nothing. Mutation tried: a pin that takes no reader
+    count (caught by the first check)."""
+    caches = id_caches("cpu", blocks=8)
+    async with make_store(caches, 2) as store:
+        fill_keys(caches, [0, 1, 2, 3, 5], [0, 1, 2, 3, 5])
+        await store.put([key(0), key(1)], [0, 1])
+        handles = store.pin([key(0), key(9)])
+        assert handles[1] is None and store.stats()["pinned"] == 1
+        with pytest.raises(KeyIOError) as info:
+            await store.put([key(2), key(3)], [2, 3])
+        assert info.value.failures == {key(3): NO_ROOM}
+        assert [store.contains(key(i)) for i in range(4)] == [True, False, True, False]
+        await store.get([key(0)], [4])  # a get beside the pin: still pinned afterwards
+        assert identify(caches, 4) == (0, 1, True) and store.stats()["pinned"] == 1
+        store.unpin(handles)
+        assert store.stats()["pinned"] == 0
+        await store.put([key(3)], [3])  # LRU order was 2, 0: key 2 goes
+        await store.put([key(5)], [5])  # then key 0
+        assert [store.contains(key(i)) for i in (0, 2, 3, 5)] == [False, False, True, True]
+        pinned = store.pin([key(3)])
+        os.ftruncate(store.engine.file.fd, 0)  # every load fails now
+        with pytest.raises(KeyIOError):
+            await store.get([key(3)], [6])
+        assert not store.contains(key(3)) and store.stats()["free_blocks"] == 0
+        store.unpin(pinned)
+        assert store.stats()["free_blocks"] == 1 and store.stats()["pinned"] == 0
+        late = store.pin([key(5)])
+        assert store.stats()["pinned"] == 1
+    assert store.stats()["pinned"] == 0
+    store.unpin(late)
+    assert store.stats()["pinned"] == 0 and store.stats()["keys"] == 0
+
+
 async def test_a_block_being_written_is_never_evicted_nor_visible(make_store: StoreFactory) -> None:
     """While a slow put of keys 0..3 is in flight, none of them is visible (a get misses at once,
     touching nothing) and their blocks are not evictable (a put of key 4 finds no room); once

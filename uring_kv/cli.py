@@ -182,6 +182,18 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     return vllm_bench.main(args)
 
 
+def _bench_lmcache(args: argparse.Namespace) -> int:
+    from uring_kv.integrations import lmcache_bench
+
+    for size in args.chunk_size or []:
+        if size % 4096:
+            raise UsageError(f"--chunk-size {size}: LMCache's L1 chunks are whole pages (a multiple of 4096 bytes)")
+    args.path = _directory(args.path)
+    chunks = max(args.chunk_size or [2 << 20])
+    _free_space(args.path, max(args.bytes, args.job * chunks) + args.job * chunks)  # one adapter's files at a time
+    return lmcache_bench.main(args)
+
+
 def info(path: str | None) -> tuple[dict[str, Any], str | None]:
     """What uring_kv would use here, and the reason it cannot run (or None)."""
     import torch
@@ -358,6 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     bench_vllm.add_argument("--jobs", type=_at_least(1), default=8, help="jobs in flight at most")
     bench_vllm.add_argument("--json", help="write the results as JSON to this file")
     bench_vllm.set_defaults(func=_bench_vllm)
+    bench_lmcache = sub.add_parser("bench-lmcache", formatter_class=defaults,
+                                   help="UringKVL2Adapter against LMCache's own fs and fs_native L2 adapters "
+                                        "(needs LMCache)")
+    bench_lmcache.add_argument("--path", help="directory for every adapter's files (default: the temp directory)")
+    bench_lmcache.add_argument("--chunk-size", type=_size, action="append",
+                               help="bytes per chunk, LMCache's KV chunk (repeatable; default 128K and 2M)")
+    bench_lmcache.add_argument("--bytes", type=_size, default=512 << 20, help="bytes each adapter stores per size")
+    bench_lmcache.add_argument("--job", type=_at_least(1), default=16, help="chunks per task")
+    bench_lmcache.add_argument("--jobs", type=_at_least(1), default=4, help="tasks in flight at most")
+    bench_lmcache.add_argument("--adapter", action="append", choices=("uring_kv", "fs", "fs_native"),
+                               help="adapters to run (repeatable; default all)")
+    bench_lmcache.add_argument("--json", help="write the results as JSON to this file")
+    bench_lmcache.set_defaults(func=_bench_lmcache)
     info_parser = sub.add_parser("info", help="what uring_kv would use on this machine")
     info_parser.add_argument("--path", help="directory to probe for O_DIRECT (default: the temp directory)")
     info_parser.set_defaults(func=_info)

@@ -157,6 +157,8 @@ class BlockStore:
             while self._busy:  # their last step (index updates, pins) runs after their batches end
                 self._idle = svc.create_future()
                 await svc.wait_through_cancellation(self._idle)
+            for entry in self._index.values():
+                entry.readers = 0  # pins still held (see pin) end with the store
             self._index.clear()
             self._writing.clear()
             self._free.clear()
@@ -287,6 +289,34 @@ class BlockStore:
         except KeyIOError as exc:
             return [key for key, _ in present if key not in exc.failures]
         return [key for key, _ in present]
+
+    # ----------------------------------------------------------------- pins (the loop)
+    def pin(self, keys: Iterable[bytes]) -> list[Any]:
+        """Pin each visible key of ``keys`` against eviction until :meth:`unpin`, as a get in flight
+        pins it: a handle per key, None for a key not visible (nothing is pinned for it). A pinned
+        key stays visible unless a load of it fails (its block is then freed by the last unpin).
+        Does not touch the LRU order. On the store's loop; the caller must unpin every handle."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise TypeError("keys must be a sequence of keys (bytes), not one key")
+        self._check_open()
+        handles: list[Any] = []
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is not None:
+                if not entry.readers:
+                    self._pinned += 1
+                entry.readers += 1
+            handles.append(entry)
+        return handles
+
+    def unpin(self, handles: Iterable[Any]) -> None:
+        """Release pins taken by :meth:`pin` (None handles are skipped). On the store's loop; after
+        the store closed it does nothing (closing forgot every key and pin)."""
+        if self._state == "closed":
+            return
+        for entry in handles:
+            if entry is not None and entry.readers > 0:
+                self._unpin(entry)
 
     # ----------------------------------------------------------------- internals
     async def _write(self, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
