@@ -16,16 +16,16 @@ import functools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from uring_kv._args import ADMIT_BLOCKS, Args
 from uring_kv._batch import Batch, Batches, TransferHandle, bind
 from uring_kv._blocks import Contents, HazardTable
 from uring_kv._copy import HostCopier
 from uring_kv._file import BlockFile
-from uring_kv._io import IOBackend, PumpRing
+from uring_kv._io import IOBackend, PumpRing, RingPump
 from uring_kv._loop import LoopServices
-from uring_kv._native import STAGED_MAX, BlockCopier, NativePump, PumpCopies, PumpsBusy, first_unset
+from uring_kv._native import STAGED_MAX, BlockCopier, PumpCopies, PumpsBusy, first_unset
 from uring_kv._pypump import PyPump, Summer
 from uring_kv._staging import Kind, Lease, SlotPool
 from uring_kv._tuning import Tuning
@@ -34,85 +34,12 @@ COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call of the Python 
 PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
 
 
-class Pump(Protocol):
-    """What the driver needs of a pump (:class:`PyPump`, or :class:`_Native` around a native one)."""
-
-    copies_marked: bool  # its copies count down batch.to_enqueue (else: all settled when it finishes)
-
-    @property
-    def nblocks(self) -> int: ...
-
-    @property
-    def started(self) -> int: ...
-    @property
-    def slots(self) -> int: ...
-    @property
-    def unstarted_slots(self) -> int: ...
-    @property
-    def finished(self) -> bool: ...
-    @property
-    def stopped(self) -> bool: ...
-    def stop(self) -> None: ...
-    def keep_only(self, positions: list[int]) -> None: ...
-    def give(self, indices: list[int], addrs: list[int]) -> None: ...
-    def take_released(self) -> list[int]: ...
-    def failures(self) -> list[tuple[int, int]]: ...
-    def close(self) -> None: ...
-
-
-class _Native:
-    """A native pump on its ring, as a :class:`Pump`."""
-
-    copies_marked = False
-    __slots__ = ("_pump", "_ring")
-
-    def __init__(self, ring: PumpRing, pump: NativePump) -> None:
-        self._ring, self._pump = ring, pump
-
-    @property
-    def nblocks(self) -> int:
-        return self._pump.nblocks
-
-    @property
-    def started(self) -> int:
-        return self._pump.started
-
-    @property
-    def slots(self) -> int:
-        return self._pump.slots
-
-    @property
-    def unstarted_slots(self) -> int:
-        return self._pump.unstarted_slots
-
-    @property
-    def finished(self) -> bool:
-        return self._pump.finished
-
-    @property
-    def stopped(self) -> bool:
-        return self._pump.stopped
-
-    def stop(self) -> None:
-        self._pump.stop()
-
-    def keep_only(self, positions: list[int]) -> None:
-        self._pump.keep_only(positions)
-
-    def give(self, indices: list[int], addrs: list[int]) -> None:
-        self._ring.pump_slots(self._pump, indices, addrs)
-
-    def take_released(self) -> list[int]:
-        released = self._pump.take_released()
-        if released:
-            self._ring.pump_returned(len(released))
-        return released
-
-    def failures(self) -> list[tuple[int, int]]:
-        return self._pump.failures()
-
-    def close(self) -> None:
-        self._ring.pump_done(self._pump)
+# A batch's pump: a native one on io_uring (``_io.RingPump``) or the Python one. Both offer
+# ``nblocks``, ``started``, ``slots`` (held), ``unstarted_slots``, ``finished``, ``stopped``, and
+# ``stop()``, ``keep_only(positions)``, ``give(indices, addrs)``, ``take_released()``,
+# ``failures()``, ``close()``; ``copies_marked``: its copies count down ``batch.to_enqueue`` (the
+# Python pump) rather than being all settled when it finishes (a native one).
+Pump = RingPump | PyPump
 
 
 @dataclass(eq=False)
@@ -199,11 +126,10 @@ class Driver:
         if native and self._ring is not None and n:
             file, ring = self._file, self._ring
             try:
-                pump = _Native(ring, ring.pump(kind is Kind.STORE, file.fd, file.stride, self._blocks,
-                                               file.offsets(args.disk_c, n), args.gpu_c, n, self._pool.waiting,
-                                               len(self._pool.leases), progress, inline=self._pump_inline,
-                                               scatter=kind is Kind.LOAD and self.scatter,
-                                               copies=self._pump_copies))
+                pump = ring.pump(kind is Kind.STORE, file.fd, file.stride, self._blocks,
+                                 file.offsets(args.disk_c, n), args.gpu_c, n, self._pool.waiting,
+                                 len(self._pool.leases), progress, inline=self._pump_inline,
+                                 scatter=kind is Kind.LOAD and self.scatter, copies=self._pump_copies)
                 self.pumped += 1
             except PumpsBusy:
                 pump = None

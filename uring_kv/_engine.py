@@ -26,7 +26,7 @@ from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer
 from uring_kv._driver import Driver, Run
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, open_backend
-from uring_kv._loop import current_services
+from uring_kv._loop import OpenClose, current_services
 from uring_kv._native import BlockCopier, bitmap
 from uring_kv._staging import Kind, SlotPool
 from uring_kv._tuning import Tuning
@@ -35,7 +35,7 @@ from uring_kv.errors import EngineClosedError
 __all__ = ["Engine", "TransferHandle"]
 
 
-class Engine:
+class Engine(OpenClose):
     """Loads and stores KV-cache blocks between ``caches`` and a private file beside ``path``.
 
     ``path``: where the block file lives. The file never takes this name (or any): it is made
@@ -222,12 +222,6 @@ class Engine:
                 failure = failure or exc
         if failure is not None:
             raise failure
-
-    async def __aenter__(self) -> Engine:
-        return await self.open()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Stop accepting work, let in-flight batches finish, wait for every I/O and copy, free all.

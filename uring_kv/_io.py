@@ -79,15 +79,32 @@ class PumpRing(Protocol):
 
     def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any,
              nblocks: int, waiting: Any, max_slots: int, on_progress: Callable[[], None], inline: bool = False,
-             scatter: bool = False, copies: PumpCopies | None = None) -> NativePump: ...
+             scatter: bool = False, copies: PumpCopies | None = None) -> RingPump: ...
 
     def copies_done(self, jobs: CopyJobs) -> list[tuple[int, int, int, int]]: ...
 
-    def pump_slots(self, pump: NativePump, slots: Sequence[int], addrs: Sequence[int]) -> None: ...
 
-    def pump_returned(self, count: int) -> None: ...
+class RingPump(NativePump):
+    """A native pump on a :class:`UringBackend`'s ring, as the batch driver's pump: the slots it is
+    given and hands back count as in flight for the backend (its ``drain`` waits for them)."""
 
-    def pump_done(self, pump: NativePump) -> None: ...
+    __slots__ = ("_backend",)
+    _backend: UringBackend
+    copies_marked = False  # its copies are all settled when it finishes (see _driver.Pump)
+
+    def give(self, indices: list[int], addrs: list[int]) -> None:
+        """More slots (pool index = registered-buffer index, address); each counts as in flight
+        until handed back."""
+        self._backend.pump_slots(self, indices, addrs)
+
+    def take_released(self) -> list[int]:
+        released = super().take_released()
+        if released:
+            self._backend.pump_returned(len(released))
+        return released
+
+    def close(self) -> None:
+        self._backend.pump_done(self)
 
 
 class IOBackend(ABC):
@@ -232,7 +249,7 @@ class UringBackend(IOBackend):
     def pump(self, write: bool, fd: int, stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any,
              nblocks: int, waiting: Any, max_slots: int,
              on_progress: Callable[[], None], inline: bool = False, scatter: bool = False,
-             copies: PumpCopies | None = None) -> NativePump:
+             copies: PumpCopies | None = None) -> RingPump:
         """A native pump on this ring (see :class:`NativePump`, also for ``scatter`` and ``copies``);
         ``on_progress()`` runs on the loop after each reap (or collection of its copy jobs, see
         :meth:`copies_done`) in which the pump moved. ``inline``: no IOSQE_ASYNC on its SQEs even
@@ -241,8 +258,9 @@ class UringBackend(IOBackend):
         sqe_flags = 0 if inline else self._sqe_flags[write]
         if fd in self._fixed_fd:
             fd, sqe_flags = self._fixed_fd[fd], sqe_flags | _FIXED_FILE
-        pump = NativePump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
-                          cache_blocks, nblocks, waiting, max_slots, scatter, copies)
+        pump = RingPump(self._ring, write, fd, sqe_flags, self.fixed_buffers, stride, blocks, offsets,
+                        cache_blocks, nblocks, waiting, max_slots, scatter, copies)
+        pump._backend = self
         self._pump_handlers[pump] = on_progress
         return pump
 

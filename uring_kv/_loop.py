@@ -26,7 +26,7 @@ import logging
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 log = logging.getLogger("uring_kv")
 T = TypeVar("T")
@@ -404,6 +404,22 @@ class TrioServices(LoopServices):
 
 def _nothing() -> None:
     pass
+
+
+class OpenClose:
+    """``async with x`` for a resource with ``await x.open()`` (returning it) and ``await x.aclose()``."""
+
+    async def open(self) -> Self:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 def current_services() -> LoopServices:

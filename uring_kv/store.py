@@ -41,7 +41,7 @@ from typing import Any
 from uring_kv._args import normalise_caches
 from uring_kv._engine import Engine
 from uring_kv._file import round_up
-from uring_kv._loop import LoopServices, current_services
+from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
 
 # capacity_bytes counts each block padded to this, the largest I/O alignment usual today: the file
@@ -59,7 +59,7 @@ class _Entry:
     written: Any = None  # a future other puts of the key wait on (made when one does)
 
 
-class BlockStore:
+class BlockStore(OpenClose):
     """Keys (bytes) → blocks of cache rows, kept in a private file of ``capacity`` blocks.
 
     ``caches``, ``path``, ``num_slots`` and ``engine_options`` (``direct``, ``io``, ``copy_delay``,
@@ -125,12 +125,6 @@ class BlockStore:
         if self._state == "opening":  # (not if aclose() began meanwhile)
             self._state = "open"
         return self
-
-    async def __aenter__(self) -> BlockStore:
-        return await self.open()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Refuse new calls, let those under way finish (their keys land or fail as usual), close
