@@ -1,4 +1,4 @@
-"""cffi (API mode) build of ``uring_kv._native_c``: liburing linked statically, plus small C helpers.
+"""cffi (API mode) build of ``uring_kv._native_c`` from ``uring_kv/csrc/*.c``, liburing linked statically.
 
 The helpers exist because cffi releases the GIL around every call: one call submits N SQEs, reaps N
 CQEs or enqueues N copies, so the per-block cost in Python stays one tuple, not one C call per item.
@@ -206,7 +206,11 @@ unsigned ukv_copier_pump_jobs(struct ukv_copier *c);
 void ukv_copier_free(struct ukv_copier *c);
 """
 
-SOURCE = (Path(__file__).resolve().parent / "uring_kv" / "_native.c").read_text()
+# The C side, one file per concern (see uring_kv/csrc/ukv.h), compiled into this one extension; the
+# module's own source only includes the header that declares what CDEF names.
+C_DIR = "uring_kv/csrc"
+C_SOURCES = [f"{C_DIR}/{name}.c" for name in ("ring", "pump", "copier", "cuda", "ceiling")]
+SOURCE = '#include "ukv.h"\n'
 
 
 def make_builder():  # type: ignore[no-untyped-def]
@@ -219,8 +223,9 @@ def make_builder():  # type: ignore[no-untyped-def]
     builder.set_source(
         "uring_kv._native_c",
         SOURCE,
+        sources=C_SOURCES,  # relative to the project root, where setuptools and __main__ build
         define_macros=[("UKV_LIBURING_VERSION", f'"{version}"')] if version else [],
-        include_dirs=[include_dir],
+        include_dirs=[str(Path(__file__).resolve().parent / C_DIR), include_dir],
         extra_objects=[archive],
         libraries=["dl", "pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],

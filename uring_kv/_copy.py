@@ -291,8 +291,8 @@ class HostCopier(_NativeUser):
 
 
 # The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
-# block's device staging slot and the tensor. UKV_STAGED_MAX is _native.c's (through cffi); the
-# struct matches _native.c's struct ukv_blocks.
+# block's device staging slot and the tensor. UKV_STAGED_MAX is csrc/ukv.h's (through cffi); the
+# struct matches csrc/cuda.c's struct ukv_blocks.
 _SCATTER_SOURCE = f"\n#define UKV_STAGED_MAX {STAGED_MAX}" + r"""
 struct UkvBlocks { unsigned long long staging[UKV_STAGED_MAX]; long long gpu[UKV_STAGED_MAX]; };
 extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlocks b, int to_slot) {

@@ -199,7 +199,7 @@ class PumpCopies:
 
 
 class NativePump:
-    """A batch run in C on ``ring``: see ``struct ukv_pump`` in _native.c.
+    """A batch run in C on ``ring``: see ``struct ukv_pump`` in csrc/pump.c.
 
     Blocks ``i`` go between file offset ``offsets[i]`` and cache block ``cache_blocks[i]`` of every
     tensor of ``blocks``; ``waiting`` (an int32[2] from :func:`counters`) are the slot pool's waiter
@@ -396,7 +396,7 @@ def cuda_copy_path(enable_batch: bool | None = None) -> str:
     return f"per-copy cuMemcpy*Async (batch call failed with CUresult {error})" if error else "per-copy cuMemcpy*Async"
 
 
-# Blocks one launch of the staged path's scatter kernel moves (_native.c and the kernel source agree).
+# Blocks one launch of the staged path's scatter kernel moves (csrc/ukv.h and the kernel source agree).
 STAGED_MAX = int(_lib.UKV_STAGED_MAX)
 
 
@@ -538,7 +538,7 @@ class CudaEvent:
 
 
 class CopyJobs:
-    """The native copier (``_native.c``): one submit thread per direction running copy jobs, and in
+    """The native copier (``csrc/copier.c``): one submit thread per direction running copy jobs, and in
     CUDA mode a bridge thread waiting for their events, all in C. Finished jobs are collected on
     the loop with :meth:`done` when :attr:`fd` (an eventfd) is readable.
 

@@ -17,7 +17,7 @@ says it is finished:
     store:  FREE -> RESERVED -> COPYING --(copy event)--> WRITING --(write CQE)--> FREE
     pumped: FREE -> [RESERVED ->] PUMPING --(the pump hands the slot back)--> FREE
 
-A PUMPING slot belongs to a native pump (see ``_native.c``), which carries one block after another
+A PUMPING slot belongs to a native pump (see ``csrc/pump.c``), which carries one block after another
 through it, each read then copy or copy then write (a memcpy, or a copy job whose event the native
 copier saw fire), and hands it back only after the last one's CQE and copy: the same rule, applied
 in C. A pump's first slot is acquired like any other (RESERVED, it may wait in the queue); the free
