@@ -20,8 +20,8 @@ CC = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None, reason="needs a C compiler for the stand-in driver")
 
 PRELUDE = """
-from uring_kv import _native
-assert _native.load_cuda_driver(), "the stand-in driver was not loaded"
+from uring_kv import _cuda
+assert _cuda.load_cuda_driver(), "the stand-in driver was not loaded"
 """
 
 Driver = Callable[[str], list[str]]
@@ -53,9 +53,9 @@ def test_a_batch_is_ordered_after_the_callers_stream_in_the_engines_context(fake
     """Record on the caller's stream (0: the legacy default stream, which is why the context
     matters), every lane waits for that record, and the thread gets its own context back."""
     calls = fake_driver("""
-_native.cuda_use_context(0xc0)  # the caller's context, e.g. another device's
-_native.cuda_order_after(0xc1, 0, 0xe7, _native.u64_array([0x51, 0x52]), 2)
-assert _native.cuda_current_context() == 0xc0
+_cuda.cuda_use_context(0xc0)  # the caller's context, e.g. another device's
+_cuda.cuda_order_after(0xc1, 0, 0xe7, _cuda.stream_array([0x51, 0x52]), 2)
+assert _cuda.cuda_current_context() == 0xc0
 """)
     assert calls == [
         "set 0xc0 0 ctx=0",
@@ -69,32 +69,32 @@ assert _native.cuda_current_context() == 0xc0
 
 def test_ordering_in_the_current_context_switches_nothing(fake_driver: Driver) -> None:
     calls = fake_driver("""
-_native.cuda_use_context(0xc1)
-_native.cuda_order_after(0xc1, 0x5c, 0xe7, _native.u64_array([0x51]), 1)
+_cuda.cuda_use_context(0xc1)
+_cuda.cuda_order_after(0xc1, 0x5c, 0xe7, _cuda.stream_array([0x51]), 1)
 """)
     assert calls == ["set 0xc1 0 ctx=0", "record 0xe7 0x5c ctx=0xc1", "wait 0x51 0xe7 ctx=0xc1"]
 
 
 def test_a_failed_record_raises_waits_for_nothing_and_gives_the_context_back(fake_driver: Driver) -> None:
     calls = fake_driver("""
-_native.cuda_use_context(0xc0)
+_cuda.cuda_use_context(0xc0)
 try:
-    _native.cuda_order_after(0xc1, 0xbad, 0xe7, _native.u64_array([0x51]), 1)
-except _native.CudaError as exc:
+    _cuda.cuda_order_after(0xc1, 0xbad, 0xe7, _cuda.stream_array([0x51]), 1)
+except _cuda.CudaError as exc:
     assert exc.code == 719, exc
 else:
     raise AssertionError("no CudaError")
-assert _native.cuda_current_context() == 0xc0
+assert _cuda.cuda_current_context() == 0xc0
 """)
     assert calls == ["set 0xc0 0 ctx=0", "set 0xc1 0 ctx=0xc0", "record 0xe7 0xbad ctx=0xc1", "set 0xc0 0 ctx=0xc1"]
 
 
 def test_events_made_and_freed_on_the_callers_thread_borrow_the_context(fake_driver: Driver) -> None:
     calls = fake_driver("""
-_native.cuda_use_context(0xc0)
-event = _native.CudaEvent(0xc1)
+_cuda.cuda_use_context(0xc0)
+event = _cuda.CudaEvent(0xc1)
 event.destroy()
-assert _native.cuda_current_context() == 0xc0
+assert _cuda.cuda_current_context() == 0xc0
 """)
     assert calls == [
         "set 0xc0 0 ctx=0",

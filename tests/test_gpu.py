@@ -214,7 +214,7 @@ async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkey
     the worker thread that creates the file, and the engine then uses it."""
     import threading
 
-    from uring_kv import _copy
+    from uring_kv import _cuda
 
     compiled_on: list[int] = []
     real_compile = torch.cuda._compile_kernel
@@ -223,7 +223,7 @@ async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkey
         compiled_on.append(threading.get_ident())
         return real_compile(*args, **kwargs)
 
-    monkeypatch.setattr(_copy, "_KERNELS", {})
+    monkeypatch.setattr(_cuda, "_KERNELS", {})
     monkeypatch.setattr(torch.cuda, "_compile_kernel", recording_compile)
     caches = bf16_layers(layers=2, blocks=4)
     async with Engine(caches, tmp_path / "kv.bin", 4, num_slots=2) as engine:

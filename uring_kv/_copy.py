@@ -17,23 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from uring_kv import _cuda
 from uring_kv._bridge import Bridge
+from uring_kv._cuda import CudaError, CudaEvent, Staging
 from uring_kv._env import env_count
-from uring_kv._native import (
-    FAIL_WAIT,
-    PUMP_TAG,
-    STAGED_MAX,
-    BlockCopier,
-    CopyJobs,
-    CudaError,
-    CudaEvent,
-    cuda_copy_path,
-    cuda_current_context,
-    cuda_order_after,
-    cuda_use_context,
-    load_cuda_driver,
-    u64_array,
-)
+from uring_kv._native import FAIL_WAIT, PUMP_TAG, BlockCopier, CopyJobs
 
 
 class HostEvent:
@@ -290,107 +278,15 @@ class HostCopier(_NativeUser):
             self._thread.join()
 
 
-# The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
-# block's device staging slot and the tensor. UKV_STAGED_MAX is csrc/ukv.h's (through cffi); the
-# struct matches csrc/cuda.c's struct ukv_blocks.
-_SCATTER_SOURCE = f"\n#define UKV_STAGED_MAX {STAGED_MAX}" + r"""
-struct UkvBlocks { unsigned long long staging[UKV_STAGED_MAX]; long long gpu[UKV_STAGED_MAX]; };
-extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlocks b, int to_slot) {
-    const unsigned long long base = table[3 * blockIdx.x], n = table[3 * blockIdx.x + 1],
-                             off = table[3 * blockIdx.x + 2];
-    char* dev = (char*)(base + (unsigned long long)b.gpu[blockIdx.y] * n);
-    char* stage = (char*)(b.staging[blockIdx.y] + off);
-    char* dst = to_slot ? stage : dev;
-    const char* src = to_slot ? dev : stage;
-    if ((((unsigned long long)dst | (unsigned long long)src | n) & 15ULL) == 0) {
-        uint4* d = (uint4*)dst;
-        const uint4* s = (const uint4*)src;
-        for (unsigned long long k = threadIdx.x; k < n / 16; k += blockDim.x) d[k] = s[k];
-    } else {
-        for (unsigned long long k = threadIdx.x; k < n; k += blockDim.x) dst[k] = src[k];
-    }
-}
-"""
-
-
-# A kernel that only waits: slowed copies for tests (``copy_delay``) on the native copier, which
-# launches it before each call's copies as the Python lanes do with torch.cuda._sleep.
-_SPIN_SOURCE = r"""
-extern "C" __global__ void ukv_spin(long long cycles) {
-    const long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-"""
-
-_KERNELS: dict[tuple[str, int], Any] = {}
-_KERNELS_LOCK = threading.Lock()
-
-
-def _kernel(source: str, name: str, device: Any) -> Any:
-    """Kernel ``name`` of ``source`` for ``device``, compiled with NVRTC once per device and process."""
-    import torch
-
-    index = torch.device(device).index
-    key = (name, torch.cuda.current_device() if index is None else index)
-    with _KERNELS_LOCK:
-        if key not in _KERNELS:
-            with torch.cuda.device(key[1]):
-                _KERNELS[key] = torch.cuda._compile_kernel(source, name)
-        return _KERNELS[key]
-
-
-def spin_kernel(device: Any) -> Any:
-    """The waiting kernel for ``device`` (tests only)."""
-    return _kernel(_SPIN_SOURCE, "ukv_spin", device)
-
-
-def staged_kernel(device: Any) -> Any:
-    """The scatter/gather kernel for ``device``, compiled with NVRTC on first use (tens to hundreds
-    of ms: once per device and process). ``Engine.open`` calls it on a worker thread, so the loop
-    never waits for the compiler; an error is raised again where the copier is built."""
-    return _kernel(_SCATTER_SOURCE, "ukv_scatter", device)
-
-
 def staged_copies_wanted() -> bool:
     return os.environ.get("URING_KV_CUDA_STAGED", "1") != "0"
 
 
 def staged_kernel_preparer(device: Any) -> Callable[[], None] | None:
     """Called on the loop thread: a function that builds the staged kernel for ``device`` on a
-    worker thread, or None (staged copies off, or no driver). A fresh thread has no current CUDA
-    context, and torch does not make one current when the thread's device index already matches,
-    so the function first makes this thread's context for ``device`` current there."""
-    if not staged_copies_wanted() or not load_cuda_driver():
-        return None
-    import torch
-
-    with torch.cuda.device(device):
-        ctx = cuda_current_context()
-
-    def prepare() -> None:
-        if ctx:
-            cuda_use_context(ctx)
-        staged_kernel(device)
-
-    return prepare
-
-
-class _Staging:
-    """Device staging for the staged copy path: one device slot per host slot, the tensor table on
-    the device, the compiled scatter/gather kernel."""
-
-    def __init__(self, torch: Any, device: Any, blocks: BlockCopier, host_base: int, stride: int, slots: int,
-                 used_bytes: int) -> None:
-        self.kernel = staged_kernel(device)
-        self.func = int(self.kernel.func.value)
-        self.table_tensor = torch.tensor([v for row in blocks.table for v in row], dtype=torch.int64, device=device)
-        self.table = int(self.table_tensor.data_ptr())
-        self.slots_tensor = torch.empty(slots * stride, dtype=torch.uint8, device=device)
-        self.dev_base = int(self.slots_tensor.data_ptr())
-        self.host_base, self.used_bytes = host_base, used_bytes
-
-    def dev_slots(self, slot_addrs: Sequence[int]) -> list[int]:
-        return [self.dev_base + (addr - self.host_base) for addr in slot_addrs]
+    worker thread (see :func:`_cuda.staged_kernel_preparer`), or None (staged copies off, or no
+    driver)."""
+    return _cuda.staged_kernel_preparer(device) if staged_copies_wanted() else None
 
 
 class _Lane:
@@ -421,25 +317,22 @@ class CudaCopier(_NativeUser):
     def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, delay: float = 0.0,
                  lanes: int | None = None, staging: tuple[int, int, int, int] | None = None,
                  native: bool | None = None) -> None:
-        import torch
-
-        if not load_cuda_driver():
+        if not _cuda.load_cuda_driver():
             raise RuntimeError("uring_kv: cannot load the CUDA driver (libcuda.so.1 with cuMemcpyAsync and events)")
-        self._torch = torch
         self._blocks = blocks
         # URING_KV_CUDA_BATCH=0 turns cuMemcpyBatchAsync off (one driver call per tensor and block).
-        cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
+        _cuda.cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
         self._bridge = bridge
         self.device = device
+        self._cuda = _cuda.Device(device)
         self._delay_cycles = int(delay * 1.5e9)  # torch.cuda._sleep counts GPU clock cycles
         # The staged path (one copy per block plus one kernel per call) unless turned off or the
         # kernel cannot be built here (no NVRTC): then one driver copy per tensor and block.
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self.staging_error = ""
         if staging is not None and staged_copies_wanted():
             try:
-                with torch.cuda.device(device):
-                    self._staging = _Staging(torch, device, blocks, *staging)
+                self._staging = Staging(device, blocks, *staging)
             except Exception as exc:  # kept for `description`; the per-piece path still works
                 self.staging_error = f"{type(exc).__name__}: {exc}"
         # Lanes: one is enough when a block costs two driver calls (staged), and keeps each
@@ -452,15 +345,12 @@ class CudaCopier(_NativeUser):
         use_native = (native_copier_wanted() if native is None else native) and self._staging is not None
         if use_native:
             count = 1
-        self._lanes: dict[bool, list[_Lane]] = {}
-        with torch.cuda.device(device):
-            low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
-            for to_slot, priority in ((False, high), (True, low)):
-                self._lanes[to_slot] = [_Lane(torch.cuda.Stream(device, priority=priority), to_slot, i,
-                                              self._submit_loop) for i in range(count)]
-            self._marker_streams = {to_slot: torch.cuda.Stream(device) for to_slot in (False, True)}
-            self._ctx = cuda_current_context()  # torch made the device's primary context current
-            self._device_index = torch.cuda.current_device()
+        self._lanes: dict[bool, list[_Lane]] = {
+            to_slot: [_Lane(stream, to_slot, i, self._submit_loop)
+                      for i, stream in enumerate(self._cuda.streams(count, high_priority=not to_slot))]
+            for to_slot in (False, True)}
+        self._marker_streams = {to_slot: self._cuda.stream() for to_slot in (False, True)}
+        self._ctx = self._cuda.context()
         self._next = {False: 0, True: 0}
         self._free: list[CudaEvent] = []
         self._events: list[CudaEvent] = []
@@ -468,17 +358,14 @@ class CudaCopier(_NativeUser):
         # for by the lanes in one C call (a torch.cuda.Event per batch cost ~0.05 ms more of the loop).
         self._order_event = CudaEvent(self._ctx)
         self._events.append(self._order_event)
-        self._lane_streams = {to_slot: (u64_array([lane.stream.cuda_stream for lane in lanes]), len(lanes))
+        self._lane_streams = {to_slot: (_cuda.stream_array([lane.stream.cuda_stream for lane in lanes]), len(lanes))
                               for to_slot, lanes in self._lanes.items()}
-        self._raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._link: _NativeLink | None = None
         if use_native:
             staging_ = self._staging
             assert staging_ is not None
-            spin = 0
-            if self._delay_cycles:  # tests: every call's copies wait this long on the GPU first
-                with torch.cuda.device(device):
-                    spin = int(spin_kernel(device).func.value)
+            # tests: every call's copies wait this long on the GPU first
+            spin = _cuda.spin_kernel(device) if self._delay_cycles else 0
             jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
                                      self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream),
                             self._delay_cycles, spin)
@@ -497,12 +384,8 @@ class CudaCopier(_NativeUser):
             for lane in self._lanes[to_slot]:
                 lane.stream.wait_event(event)
             return
-        if self._raw_stream is not None:
-            caller = int(self._raw_stream(self._device_index))
-        else:
-            caller = int(self._torch.cuda.current_stream(self.device).cuda_stream)
         streams, count = self._lane_streams[to_slot]
-        cuda_order_after(self._ctx, caller, self._order_event.handle, streams, count)
+        _cuda.cuda_order_after(self._ctx, self._cuda.caller_stream(), self._order_event.handle, streams, count)
 
     def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
              on_done: Callable[[BaseException | None], None]) -> None:
@@ -538,14 +421,12 @@ class CudaCopier(_NativeUser):
             event, slot_addrs, gpu_blocks = item
             try:
                 if self._delay_cycles:
-                    with self._torch.cuda.device(self.device), self._torch.cuda.stream(stream):
-                        self._torch.cuda._sleep(self._delay_cycles)
+                    self._cuda.sleep(stream, self._delay_cycles)
                 staging = self._staging
                 if staging is not None:
-                    self._blocks.cuda_staged(self._ctx, staging.func, staging.table, staging.used_bytes, event,
-                                             to_slot, slot_addrs, staging.dev_slots(slot_addrs), gpu_blocks, handle)
+                    staging.enqueue(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
                 else:
-                    self._blocks.cuda_evented(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
+                    _cuda.copy_pieces_evented(self._blocks, self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
             except Exception as exc:  # some copies may be enqueued: wait for them, then report
                 event.error = exc
                 with contextlib.suppress(Exception):
@@ -564,7 +445,7 @@ class CudaCopier(_NativeUser):
         handle). Each lane records its part; the last one joins them on the marker stream."""
         if self._link is not None:
             stream = self._lanes[to_slot][0].stream
-            self._link.mark(to_slot, lambda _error: then(self._record(stream)))
+            self._link.mark(to_slot, lambda _error: then(self._cuda.record(stream)))
             return
         marker = _Marker(then, len(self._lanes[to_slot]))
         for lane in self._lanes[to_slot]:
@@ -573,36 +454,22 @@ class CudaCopier(_NativeUser):
     def settled_event(self, to_slot: bool) -> Any:
         """An event for a batch whose copies are all done (a pump's: the bridge saw their events):
         a torch.cuda.Event recorded now on the direction's stream, for callers to wait on."""
-        return self._record(self._lanes[to_slot][0].stream)
+        return self._cuda.record(self._lanes[to_slot][0].stream)
 
     def pump_dev_slots(self, slot_addrs: Sequence[int]) -> Any:
         """The device staging slot of each of ``slot_addrs`` (the pool's slots in order), as the
         uint64 C array pumps' copy jobs read; None without the staged path."""
         if self._staging is None:
             return None
-        return u64_array(self._staging.dev_slots(slot_addrs))
-
-    def _record(self, stream: Any) -> Any:
-        """A torch event recorded now on ``stream``: after every copy enqueued on it so far."""
-        event = self._torch.cuda.Event()
-        with self._torch.cuda.device(self.device):
-            event.record(stream)
-        return event
+        return self._staging.dev_slot_array(slot_addrs)
 
     def _mark(self, marker: _Marker, stream: Any, to_slot: bool) -> None:
-        part = self._torch.cuda.Event()
-        with self._torch.cuda.device(self.device):
-            part.record(stream)
+        part = self._cuda.record(stream)
         with marker.lock:
             marker.parts.append(part)
             if len(marker.parts) < marker.count:
                 return
-        joined = self._marker_streams[to_slot]
-        event = self._torch.cuda.Event()
-        with self._torch.cuda.device(self.device):
-            for each in marker.parts:
-                joined.wait_event(each)
-            event.record(joined)
+        event = self._cuda.join(marker.parts, self._marker_streams[to_slot])
         self._bridge.call_soon_threadsafe(marker.then, event)
 
     @property
@@ -614,7 +481,8 @@ class CudaCopier(_NativeUser):
     def description(self) -> str:
         if self._staging is not None:
             return "staged: one copy per block + scatter kernel" + (", native copier" if self._link else "")
-        return cuda_copy_path() + (f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
+        return _cuda.cuda_copy_path() + (
+            f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
 
     def close(self) -> None:
         if self._link is not None:

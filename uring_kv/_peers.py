@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
+from uring_kv._cuda import copy_pieces, cuda_current_context, cuda_use_context, load_cuda_driver
 from uring_kv._memory import HostBuffer
-from uring_kv._native import BlockCopier, cuda_current_context, cuda_use_context, load_cuda_driver, ring_loop
+from uring_kv._native import BlockCopier, ring_loop
 
 
 def _layer_copier(caches: list[torch.Tensor], per_layer: int) -> BlockCopier:
@@ -89,7 +90,7 @@ class _Copies:
 
     def copy(self, to_slot: bool, slot_addr: int, gpu_block: int, stream: Any) -> None:
         if self.gpu:
-            self.copier.cuda(to_slot, [slot_addr], [gpu_block], stream.cuda_stream)
+            copy_pieces(self.copier, to_slot, [slot_addr], [gpu_block], stream.cuda_stream)
         else:
             self.copier.host(to_slot, [slot_addr], [gpu_block])
 
