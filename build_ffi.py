@@ -165,11 +165,11 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
 int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks);
+struct ukv_cuda_path { int32_t batch, batch_error; };
 int ukv_cuda_load(void);
-int ukv_cuda_batch_mode(int enable);
-int ukv_cuda_batch_error(void);
-int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
-                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+int ukv_cuda_batch_mode(void);
+int ukv_cuda_copy(struct ukv_cuda_path *path, unsigned ntensors, const uint64_t *bases,
+                  const uint64_t *block_bytes, const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream);
 int ukv_cuda_ctx_current(uint64_t *ctx);
 int ukv_cuda_ctx_use(uint64_t ctx);
@@ -181,7 +181,7 @@ int ukv_cuda_event_query(uint64_t event);
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const uint64_t *dev_slots,
                          const int64_t *gpu_blocks, uint64_t stream, uint64_t done_event);
-int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
+int ukv_cuda_copy_evented(struct ukv_cuda_path *path, uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream);

@@ -3,7 +3,8 @@
 current context: a batch ordered after the caller's stream in one call, and the engine's context
 borrowed for the call only, so that the caller's current device never moves. The stand-in's events
 can also be held until the test fires them, which checks the native copier's bridge: a job is
-collected only once its own event has fired."""
+collected only once its own event has fired. Its copies are logged too, which checks that the
+per-piece copy path is each copier's own."""
 
 from __future__ import annotations
 
@@ -144,3 +145,29 @@ jobs.close()
     records = [line for line in calls if line.startswith("record")]
     assert [line.split()[1] for line in records] == [hex(0x1000 + token) for token in range(1, 7)]
     assert all(line.endswith("ctx=0xc1") for line in records)  # the submit thread runs in the engine's context
+
+
+def test_each_copier_keeps_its_own_per_piece_path(fake_driver: Driver) -> None:
+    """Whether per-piece copies are batched is each copier's own choice, nothing process-wide: one
+    batches while another beside it copies piece by piece, and a batch call the driver refuses
+    turns only that copier's copies to one call each (redone that way at once)."""
+    calls = fake_driver("""
+from uring_kv._native import BlockCopier
+
+blocks = BlockCopier([0x100000, 0x200000], [64, 32], [0, 64])
+batched, single = _cuda.PieceCopies(blocks), _cuda.PieceCopies(blocks, batch=False)
+assert batched.description == _cuda.cuda_copy_path() == "cuMemcpyBatchAsync_v2", batched.description
+assert single.description == "per-copy cuMemcpy*Async", single.description
+batched.enqueue(False, [0x9000], [3], 0x51)
+single.enqueue(False, [0x9000], [3], 0x52)
+batched.enqueue(True, [0x9000], [3], 0xba7)
+assert batched.description == "per-copy cuMemcpy*Async (batch call failed with CUresult 1)", batched.description
+batched.enqueue(False, [0x9000], [3], 0x53)
+assert _cuda.PieceCopies(blocks).description == "cuMemcpyBatchAsync_v2"
+""")
+    assert calls == [
+        "batch 0x2 0x51 ctx=0",
+        "htod 0x1000c0 0x52 ctx=0", "htod 0x200060 0x52 ctx=0",
+        "batch 0x2 0xba7 ctx=0", "dtoh 0x1000c0 0xba7 ctx=0", "dtoh 0x200060 0xba7 ctx=0",
+        "htod 0x1000c0 0x53 ctx=0", "htod 0x200060 0x53 ctx=0",
+    ]

@@ -1,9 +1,12 @@
-"""Copies between staging slots and the cache tensors: CUDA streams, or a host thread in CPU mode.
+"""Copies between staging slots and the cache tensors, and which path each takes: a host copier in
+CPU mode, a CUDA copier in GPU mode.
 
-Both copiers enqueue and return an event at once; neither waits. Completion is observed by the
-bridge (``_bridge.Bridge``), which calls the engine's handler on the loop. In CPU mode the "device" is
-a worker thread doing memcpy, so the same bridge, leases and handlers run in CI without a GPU; its
-``delay`` knob holds every copy back to widen race windows in tests.
+Both copiers enqueue and return at once; neither waits. Completion comes back through a bridge
+(``_bridge.py``: the Python bridge thread, or the native copier's eventfd), which calls the engine's
+handler on the loop. In CPU mode the "device" is a thread doing memcpy, so the same bridges, leases
+and handlers run in CI without a GPU; the ``delay`` knob holds every copy back to widen race windows
+in tests. Each copier is told its path by its constructor's parameters; their environment defaults
+are read in one place below. Every CUDA call goes through ``_cuda.py``.
 """
 
 from __future__ import annotations
@@ -18,11 +21,55 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from uring_kv import _cuda
-from uring_kv._bridge import Bridge
-from uring_kv._cuda import CudaError, CudaEvent, Staging
+from uring_kv._bridge import Bridge, NativeLink
+from uring_kv._cuda import CudaEvent, PieceCopies, Staging
 from uring_kv._env import env_count
-from uring_kv._native import FAIL_WAIT, PUMP_TAG, BlockCopier, CopyJobs
+from uring_kv._native import BlockCopier, CopyJobs
 
+# The copy paths kept, one line each: where measurements show it winning, or why it stays. Figures in
+# docs/design.md, or in docs/benchmarks.md of the history ("b.md": `git show 3e52711^:docs/benchmarks.md`).
+# - host inline memcpy on the loop: CPU machine, 4 KiB hot loads 39k -> 43-47k blocks/s (design.md, "The bridge").
+# - host, native copier thread: CPU machine 2026-12-03, 2 MiB hot loads 6.1 vs 5.2-5.6 GB/s on a Python thread (b.md).
+# - host, Python thread + bridge (native=False): no win; CI's run of the Python bridge that per-piece CUDA copies use.
+# - CUDA staged on the native copier: H200 2026-12-03, bridge delay p50 34-88 vs 63-120 us on Python lanes (b.md).
+# - CUDA staged on Python lanes (native=False): H200 2026-12-02, 128 KiB hot loads 24.7k vs 19.6k per piece (b.md).
+# - CUDA per piece, batched (no NVRTC, or staged=False): H200, 32 blocks enqueued in 1.7 vs 2.2 ms a call each (b.md).
+# - CUDA per piece, a call each (batch=False): drivers before CUDA 12.8 have no batch call; no win where they do.
+
+# ---- The copiers' environment variables: read here and nowhere else, each only as the default of
+# ---- the constructor parameter it names (None passed), so that they can move as one.
+
+# CPU mode: copy calls of at most this many bytes run inline on the loop (a memcpy of 1 MiB takes
+# tens of µs; handing it to the copier thread and back through the bridge costs more than that).
+HOST_INLINE_BYTES = 1 << 20
+
+
+def env_native() -> bool:
+    """``native``: ``URING_KV_NATIVE_COPIER=0`` keeps the copy threads and the bridge in Python."""
+    return os.environ.get("URING_KV_NATIVE_COPIER", "1") != "0"
+
+
+def env_inline_bytes() -> int:
+    """``inline_bytes`` (host): ``URING_KV_HOST_INLINE_BYTES``, else :data:`HOST_INLINE_BYTES`."""
+    return env_count("URING_KV_HOST_INLINE_BYTES", HOST_INLINE_BYTES, "a byte count")
+
+
+def env_staged() -> bool:
+    """``staged`` (CUDA): ``URING_KV_CUDA_STAGED=0`` turns the staged path off."""
+    return os.environ.get("URING_KV_CUDA_STAGED", "1") != "0"
+
+
+def env_batch() -> bool:
+    """``batch`` (CUDA): ``URING_KV_CUDA_BATCH=0`` turns cuMemcpyBatchAsync off (a call per piece)."""
+    return os.environ.get("URING_KV_CUDA_BATCH", "1") != "0"
+
+
+def env_lanes(staged: bool) -> int:
+    """``lanes`` (CUDA): ``URING_KV_COPY_LANES``, else 1 on the staged path and 2 per piece."""
+    return int(os.environ.get("URING_KV_COPY_LANES", "1" if staged else "2"))
+
+
+# ---- The copiers ------------------------------------------------------------------------------------
 
 class HostEvent:
     """The CPU-mode stand-in for a CUDA event: set by the copier thread once the copy is done.
@@ -61,101 +108,18 @@ class _Marker:
 _CudaWork = tuple[CudaEvent, Sequence[int], Sequence[int]] | _Marker
 
 
-def native_copier_wanted() -> bool:
-    """``URING_KV_NATIVE_COPIER=0`` keeps the copy threads and the bridge in Python."""
-    return os.environ.get("URING_KV_NATIVE_COPIER", "1") != "0"
-
-
-class _NativeLink:
-    """The loop's side of the native copier (``CopyJobs``): each job's handler by token, and the
-    copier's eventfd watched by the loop; one reader callback runs the handlers of every job
-    finished since the last one, in the order the jobs finished, each with its error or None."""
-
-    def __init__(self, jobs: CopyJobs, bridge: Bridge) -> None:
-        self.jobs = jobs
-        self._bridge = bridge
-        self._svc = bridge.services
-        self._handlers: dict[int, Callable[[BaseException | None], None]] = {}
-        self._next = 0
-        # How finished jobs are taken: the engine replaces it with its ring's collection when pumps
-        # queue jobs here (their jobs are handled in C on the ring, see UringBackend.copies_done).
-        self.take: Callable[[], list[tuple[int, int, int, int]]] = jobs.done
-        self._svc.add_reader(jobs.fd, self._collect)
-
-    @property
-    def pending(self) -> int:
-        """Jobs queued and not yet handled on the loop: those with handlers, and pumps'."""
-        return len(self._handlers) + self.jobs.pump_jobs
-
-    def _token(self, handler: Callable[[BaseException | None], None]) -> int:
-        token = self._next
-        self._next += 1
-        self._handlers[token] = handler
-        return token
-
-    def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
-             handler: Callable[[BaseException | None], None], dev_slots: Sequence[int] | None = None,
-             event: int = 0) -> None:
-        """Queue a copy; a copy that cannot be queued (no memory for the job) is delivered as failed
-        on a later loop turn, like one that failed on the thread: nothing was enqueued for it."""
-        token = self._token(handler)
-        try:
-            self.jobs.put(token, to_slot, slot_addrs, gpu_blocks, dev_slots, event)
-        except Exception as exc:
-            self._svc.call_soon(self._deliver, token, exc)
-
-    def mark(self, to_slot: bool, handler: Callable[[BaseException | None], None]) -> None:
-        token = self._token(handler)
-        try:
-            self.jobs.mark(token, to_slot)
-        except BaseException:
-            del self._handlers[token]
-            raise
-
-    def _deliver(self, token: int, error: BaseException | None) -> None:
-        try:
-            self._handlers.pop(token)(error)
-        except Exception as exc:
-            self._svc.report("uring_kv copy completion handler failed", exc)
-
-    def _collect(self) -> None:
-        now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
-        for token, rc, where, done_ns in self.take():
-            self._bridge.delivery_ns.append(now - done_ns)
-            if not token & PUMP_TAG:
-                self._deliver(token, _job_error(rc, where))
-            elif (error := _job_error(rc, where)) is not None:  # a pump's job, handled in C: its
-                self._svc.report("uring_kv copy failed", error)  # blocks failed with EIO, say why
-
-    def close(self) -> None:
-        """Stop watching, then run what is queued and stop the threads (blocking)."""
-        self._svc.remove_reader(self.jobs.fd)
-        self.jobs.close()
-
-
-def _job_error(rc: int, where: int) -> BaseException | None:
-    if not rc:
-        return None
-    return CudaError(rc, "waiting for block copies" if where == FAIL_WAIT else "enqueueing block copies")
-
-
-# CPU mode: copy calls of at most this many bytes run inline on the loop (a memcpy of 1 MiB takes
-# tens of µs; handing it to the copier thread and back through the bridge costs more than that).
-HOST_INLINE_BYTES = 1 << 20
-
-
 class _NativeUser:
     """What both copiers say about the native copier: whether they use it, and its jobs not yet
     handled on the loop (the engine waits for none to be left before it closes)."""
 
-    _link: _NativeLink | None = None
+    _link: NativeLink | None = None
 
     @property
     def native(self) -> bool:
         return self._link is not None
 
     @property
-    def link(self) -> _NativeLink | None:
+    def link(self) -> NativeLink | None:
         """The native copier's loop side, if the copies go through it."""
         return self._link
 
@@ -168,10 +132,10 @@ class HostCopier(_NativeUser):
     """CPU mode: small copy calls run inline on the loop; the others on one worker thread, in
     submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
 
-    ``inline_bytes`` (default ``$URING_KV_HOST_INLINE_BYTES`` or 1 MiB; 0 = never): the largest
-    call done inline. A ``delay`` (tests widening race windows) sends every call to the thread.
-    ``native`` (default: ``native_copier_wanted()``): the worker is the native copier's C thread,
-    whose completions reach the loop through its eventfd, instead of a Python thread and the bridge."""
+    ``inline_bytes`` (default :func:`env_inline_bytes`; 0 = never): the largest call done inline.
+    A ``delay`` (tests widening race windows) sends every call to the thread. ``native`` (default
+    :func:`env_native`): the worker is the native copier's C thread, whose completions reach the
+    loop through its eventfd, instead of a Python thread and the bridge."""
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, delay: float = 0.0,
                  inline_bytes: int | None = None, native: bool | None = None) -> None:
@@ -179,17 +143,17 @@ class HostCopier(_NativeUser):
         self._bridge = bridge
         self.delay = delay
         if inline_bytes is None:
-            inline_bytes = env_count("URING_KV_HOST_INLINE_BYTES", HOST_INLINE_BYTES, "a byte count")
+            inline_bytes = env_inline_bytes()
         elif inline_bytes < 0:
             raise ValueError(f"inline_bytes must be >= 0, got {inline_bytes}")
         # How many blocks one inline call may hold (0: none).
         self._inline_blocks = 0 if delay else inline_bytes // max(1, blocks.bytes_per_block)
         self._queue: queue.SimpleQueue[tuple[bool, list[int], list[int], HostEvent] | None] = queue.SimpleQueue()
-        self._link: _NativeLink | None = None
+        self._link: NativeLink | None = None
         self._in_thread = {False: 0, True: 0}  # copies handed to the native thread, not yet back
         self._thread: threading.Thread | None = None
-        if native_copier_wanted() if native is None else native:
-            self._link = _NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge)
+        if env_native() if native is None else native:
+            self._link = NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge)
         else:
             self._thread = threading.Thread(target=self._run, name="uring-kv-host-copier", daemon=True)
             self._thread.start()
@@ -278,15 +242,11 @@ class HostCopier(_NativeUser):
             self._thread.join()
 
 
-def staged_copies_wanted() -> bool:
-    return os.environ.get("URING_KV_CUDA_STAGED", "1") != "0"
-
-
-def staged_kernel_preparer(device: Any) -> Callable[[], None] | None:
+def staged_kernel_preparer(device: Any, staged: bool | None = None) -> Callable[[], None] | None:
     """Called on the loop thread: a function that builds the staged kernel for ``device`` on a
-    worker thread (see :func:`_cuda.staged_kernel_preparer`), or None (staged copies off, or no
-    driver)."""
-    return _cuda.staged_kernel_preparer(device) if staged_copies_wanted() else None
+    worker thread (see :func:`_cuda.staged_kernel_preparer`), or None (``staged`` off, default
+    :func:`env_staged`; or no driver)."""
+    return _cuda.staged_kernel_preparer(device) if (env_staged() if staged is None else staged) else None
 
 
 class _Lane:
@@ -312,16 +272,19 @@ class CudaCopier(_NativeUser):
     (``CudaEvent.recorded``). Ordering against the caller's work (``after``) is put into the
     direction's streams when the batch is called (``order_after``), so every later copy of the batch
     waits for it, whenever and wherever it is enqueued.
+
+    The path, each parameter defaulting (None) to its ``env_*`` function: ``staged`` (given the
+    host slab's ``staging``: base, stride, slots, used bytes), else per piece, through
+    cuMemcpyBatchAsync when ``batch``; ``native``: staged copies on the native copier; ``lanes``.
     """
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, delay: float = 0.0,
                  lanes: int | None = None, staging: tuple[int, int, int, int] | None = None,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, staged: bool | None = None, batch: bool | None = None) -> None:
         if not _cuda.load_cuda_driver():
             raise RuntimeError("uring_kv: cannot load the CUDA driver (libcuda.so.1 with cuMemcpyAsync and events)")
         self._blocks = blocks
-        # URING_KV_CUDA_BATCH=0 turns cuMemcpyBatchAsync off (one driver call per tensor and block).
-        _cuda.cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
+        self._pieces = PieceCopies(blocks, env_batch() if batch is None else batch)
         self._bridge = bridge
         self.device = device
         self._cuda = _cuda.Device(device)
@@ -330,19 +293,18 @@ class CudaCopier(_NativeUser):
         # kernel cannot be built here (no NVRTC): then one driver copy per tensor and block.
         self._staging: Staging | None = None
         self.staging_error = ""
-        if staging is not None and staged_copies_wanted():
+        if staging is not None and (env_staged() if staged is None else staged):
             try:
                 self._staging = Staging(device, blocks, *staging)
             except Exception as exc:  # kept for `description`; the per-piece path still works
                 self.staging_error = f"{type(exc).__name__}: {exc}"
         # Lanes: one is enough when a block costs two driver calls (staged), and keeps each
         # direction's events in order for the bridge; the per-piece path needs two to keep up.
-        default = "1" if self._staging is not None else "2"
-        count = lanes if lanes is not None else int(os.environ.get("URING_KV_COPY_LANES", default))
+        count = lanes if lanes is not None else env_lanes(self._staging is not None)
         if count < 1:
             raise ValueError(f"copy lanes must be >= 1, got {count}")
         # The native copier (C submit threads and bridge) takes staged copies.
-        use_native = (native_copier_wanted() if native is None else native) and self._staging is not None
+        use_native = (env_native() if native is None else native) and self._staging is not None
         if use_native:
             count = 1
         self._lanes: dict[bool, list[_Lane]] = {
@@ -360,7 +322,7 @@ class CudaCopier(_NativeUser):
         self._events.append(self._order_event)
         self._lane_streams = {to_slot: (_cuda.stream_array([lane.stream.cuda_stream for lane in lanes]), len(lanes))
                               for to_slot, lanes in self._lanes.items()}
-        self._link: _NativeLink | None = None
+        self._link: NativeLink | None = None
         if use_native:
             staging_ = self._staging
             assert staging_ is not None
@@ -369,7 +331,7 @@ class CudaCopier(_NativeUser):
             jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
                                      self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream),
                             self._delay_cycles, spin)
-            self._link = _NativeLink(jobs, bridge)
+            self._link = NativeLink(jobs, bridge)
             return
         for lane in self._all_lanes():
             lane.thread.start()
@@ -426,7 +388,7 @@ class CudaCopier(_NativeUser):
                 if staging is not None:
                     staging.enqueue(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
                 else:
-                    _cuda.copy_pieces_evented(self._blocks, self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
+                    self._pieces.enqueue_evented(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
             except Exception as exc:  # some copies may be enqueued: wait for them, then report
                 event.error = exc
                 with contextlib.suppress(Exception):
@@ -481,7 +443,7 @@ class CudaCopier(_NativeUser):
     def description(self) -> str:
         if self._staging is not None:
             return "staged: one copy per block + scatter kernel" + (", native copier" if self._link else "")
-        return _cuda.cuda_copy_path() + (
+        return self._pieces.description + (
             f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
 
     def close(self) -> None:

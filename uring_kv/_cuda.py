@@ -38,14 +38,17 @@ def load_cuda_driver() -> bool:
     return bool(_lib.ukv_cuda_load() == 0)
 
 
-def cuda_copy_path(enable_batch: bool | None = None) -> str:
-    """Which driver path block copies take; ``enable_batch`` switches cuMemcpyBatchAsync on or off."""
-    mode = _lib.ukv_cuda_batch_mode(-1 if enable_batch is None else int(enable_batch))
+def cuda_copy_path() -> str:
+    """The driver path per-piece block copies take here unless told otherwise (``uring-kv info``)."""
+    return _path_name(True, 0)
+
+
+def _path_name(batch: bool, error: int) -> str:
+    mode = _lib.ukv_cuda_batch_mode() if batch and not error else 0
     if mode == 2:
         return "cuMemcpyBatchAsync_v2"
     if mode == 1:
         return "cuMemcpyBatchAsync"
-    error = _lib.ukv_cuda_batch_error()
     return f"per-copy cuMemcpy*Async (batch call failed with CUresult {error})" if error else "per-copy cuMemcpy*Async"
 
 
@@ -133,27 +136,40 @@ class CudaEvent:
 
 # ---- Block copies ---------------------------------------------------------------------------------
 
-def copy_pieces(blocks: BlockCopier, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
-                stream: int) -> None:
-    """Enqueue one driver copy per tensor and block (batched where the driver can) on ``stream`` (a
-    CUstream handle); the current context must own the tensors."""
-    n, bases, block_bytes, slot_offsets = blocks.c_table()
-    rc = _lib.ukv_cuda_copy(n, bases, block_bytes, slot_offsets, int(to_slot), len(slot_addrs),
-                            ffi.new("uint64_t[]", list(slot_addrs)), ffi.new("int64_t[]", list(gpu_blocks)), stream)
-    if rc:
-        raise CudaError(int(rc), "cuMemcpyAsync")
+class PieceCopies:
+    """One copier's per-piece path: a driver copy per tensor and block (a piece), all of a call's
+    pieces in one ``cuMemcpyBatchAsync`` when ``batch`` and the driver has it, else one call each.
+    The choice is this object's (nothing global): a batch call the driver refuses turns this
+    object's copies to one call each from then on (it may have enqueued some: redoing them all
+    moves the same bytes again)."""
 
+    def __init__(self, blocks: BlockCopier, batch: bool = True) -> None:
+        self._blocks = blocks
+        self._path = ffi.new("struct ukv_cuda_path *")
+        self._path.batch = int(batch)
 
-def copy_pieces_evented(blocks: BlockCopier, ctx: int, done: CudaEvent, to_slot: bool, slot_addrs: Sequence[int],
+    @property
+    def description(self) -> str:
+        return _path_name(bool(self._path.batch), int(self._path.batch_error))
+
+    def enqueue(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int], stream: int) -> None:
+        """Enqueue the copies on ``stream`` (a CUstream handle); the current context must own the tensors."""
+        n, bases, block_bytes, slot_offsets = self._blocks.c_table()
+        rc = _lib.ukv_cuda_copy(self._path, n, bases, block_bytes, slot_offsets, int(to_slot), len(slot_addrs),
+                                ffi.new("uint64_t[]", list(slot_addrs)), ffi.new("int64_t[]", list(gpu_blocks)),
+                                stream)
+        if rc:
+            raise CudaError(int(rc), "cuMemcpyAsync")
+
+    def enqueue_evented(self, ctx: int, done: CudaEvent, to_slot: bool, slot_addrs: Sequence[int],
                         gpu_blocks: Sequence[int], stream: int) -> None:
-    """One C call: make ``ctx`` current, enqueue :func:`copy_pieces`' copies on ``stream``, record
-    ``done`` after them."""
-    n, bases, block_bytes, slot_offsets = blocks.c_table()
-    rc = _lib.ukv_cuda_copy_evented(ctx, done.handle, n, bases, block_bytes, slot_offsets, int(to_slot),
-                                    len(slot_addrs), ffi.new("uint64_t[]", slot_addrs),
-                                    ffi.new("int64_t[]", gpu_blocks), stream)
-    if rc:
-        raise CudaError(int(rc), "enqueueing block copies")
+        """One C call: make ``ctx`` current, enqueue the copies on ``stream``, record ``done`` after them."""
+        n, bases, block_bytes, slot_offsets = self._blocks.c_table()
+        rc = _lib.ukv_cuda_copy_evented(self._path, ctx, done.handle, n, bases, block_bytes, slot_offsets,
+                                        int(to_slot), len(slot_addrs), ffi.new("uint64_t[]", slot_addrs),
+                                        ffi.new("int64_t[]", gpu_blocks), stream)
+        if rc:
+            raise CudaError(int(rc), "enqueueing block copies")
 
 
 # The staged path's kernel: one thread block per (tensor, block) piece, moving it between the

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from uring_kv._cuda import copy_pieces, cuda_current_context, cuda_use_context, load_cuda_driver
+from uring_kv._cuda import PieceCopies, cuda_current_context, cuda_use_context, load_cuda_driver
 from uring_kv._memory import HostBuffer
 from uring_kv._native import BlockCopier, ring_loop
 
@@ -76,6 +76,7 @@ class _Copies:
 
     def __init__(self, caches: list[torch.Tensor], per_layer: int, device: torch.device) -> None:
         self.copier = _layer_copier(caches, per_layer)
+        self.pieces = PieceCopies(self.copier)  # batched where the driver can, as vLLM's copy_blocks
         self.gpu = device.type == "cuda"
         self.ctx = 0
         if self.gpu:
@@ -90,7 +91,7 @@ class _Copies:
 
     def copy(self, to_slot: bool, slot_addr: int, gpu_block: int, stream: Any) -> None:
         if self.gpu:
-            copy_pieces(self.copier, to_slot, [slot_addr], [gpu_block], stream.cuda_stream)
+            self.pieces.enqueue(to_slot, [slot_addr], [gpu_block], stream.cuda_stream)
         else:
             self.copier.host(to_slot, [slot_addr], [gpu_block])
 

@@ -36,8 +36,6 @@ static memcpy_htod_fn p_htod;
 static memcpy_dtoh_fn p_dtoh;
 static batch_v2_fn p_batch_v2;
 static batch_v1_fn p_batch_v1;
-static int use_batch = 1;      /* policy switch, set from Python */
-static int batch_failed_rc = 0; /* first error the batch call returned; then per-copy from there on */
 
 int ukv_cuda_load(void) {
     if (p_htod && p_dtoh) return 0;
@@ -63,14 +61,9 @@ int ukv_cuda_load(void) {
     return p_htod && p_dtoh && events ? 0 : -ENOSYS;
 }
 
-/* 2: cuMemcpyBatchAsync_v2 (CUDA 13), 1: cuMemcpyBatchAsync (12.8/12.9), 0: per-copy calls only. */
-int ukv_cuda_batch_mode(int enable) {
-    if (enable >= 0) use_batch = enable;
-    if (!use_batch || batch_failed_rc) return 0;
-    return p_batch_v2 ? 2 : p_batch_v1 ? 1 : 0;
-}
-
-int ukv_cuda_batch_error(void) { return batch_failed_rc; }
+/* The batched call this driver has: 2: cuMemcpyBatchAsync_v2 (CUDA 13), 1: cuMemcpyBatchAsync
+ * (12.8/12.9), 0: none (per-copy calls only). */
+int ukv_cuda_batch_mode(void) { return p_batch_v2 ? 2 : p_batch_v1 ? 1 : 0; }
 
 static int copy_one_by_one(size_t n, const uint64_t *dsts, const uint64_t *srcs, const size_t *sizes, int to_host,
                            void *stream) {
@@ -82,10 +75,12 @@ static int copy_one_by_one(size_t n, const uint64_t *dsts, const uint64_t *srcs,
     return 0;
 }
 
-/* Enqueue the copies of nblocks blocks (every tensor) on `stream`: one batched driver call when the
- * driver has cuMemcpyBatchAsync, else one call per tensor and block. Returns 0 or the CUresult. */
-int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
-                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+/* Enqueue the copies of nblocks blocks (every tensor) on `stream`, the way `path` (the caller's,
+ * one per copier) says: one batched driver call when path->batch is set and the driver has
+ * cuMemcpyBatchAsync, else one call per tensor and block. A refused batch call is kept in
+ * path->batch_error, and that path's copies go one by one from then on. Returns 0 or the CUresult. */
+int ukv_cuda_copy(struct ukv_cuda_path *path, unsigned ntensors, const uint64_t *bases,
+                  const uint64_t *block_bytes, const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream) {
     void *s = (void *)(uintptr_t)stream;
     size_t n = (size_t)ntensors * nblocks;
@@ -102,7 +97,7 @@ int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
             sizes[k] = block_bytes[t];
         }
     }
-    int rc = -1, mode = ukv_cuda_batch_mode(-1);
+    int rc = -1, mode = path->batch && !path->batch_error ? ukv_cuda_batch_mode() : 0;
     if (mode) {
         ukv_memcpy_attributes attr;
         memset(&attr, 0, sizeof attr);
@@ -113,7 +108,7 @@ int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
         rc = mode == 2 ? p_batch_v2(dsts, srcs, sizes, n, &attr, &attr_idx, 1, s)
                        : p_batch_v1(dsts, srcs, sizes, n, &attr, &attr_idx, 1, &fail_idx, s);
         /* A refused batch may have enqueued some copies; redoing them all moves the same bytes again. */
-        if (rc) batch_failed_rc = rc;
+        if (rc) path->batch_error = rc;
     }
     if (rc) rc = copy_one_by_one(n, dsts, srcs, sizes, to_slot, s);
     free(dsts); free(srcs); free(sizes);
@@ -189,14 +184,14 @@ int ukv_cuda_event_sync(uint64_t ctx, uint64_t event) {
 /* 0: fired; 600 (CUDA_ERROR_NOT_READY): not yet; anything else: an error. */
 int ukv_cuda_event_query(uint64_t event) { return p_event_query(event); }
 
-int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
+int ukv_cuda_copy_evented(struct ukv_cuda_path *path, uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream) {
     void *s = (void *)(uintptr_t)stream;
     int rc = use_ctx(ctx);
-    if (!rc) rc = ukv_cuda_copy(ntensors, bases, block_bytes, slot_offsets, to_slot, nblocks, slot_addrs, gpu_blocks,
-                                stream);
+    if (!rc) rc = ukv_cuda_copy(path, ntensors, bases, block_bytes, slot_offsets, to_slot, nblocks, slot_addrs,
+                                gpu_blocks, stream);
     if (!rc) rc = p_event_record(done_event, s);
     return rc;
 }

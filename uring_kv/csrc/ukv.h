@@ -212,11 +212,15 @@ int ukv_copier_put_pump(struct ukv_copier *c, struct ukv_pump *p, const uint32_t
  * (through cffi); its struct UkvBlocks must match struct ukv_blocks in cuda.c. */
 #define UKV_STAGED_MAX 8
 
+/* How one copier's per-piece copies go: `batch` 1: through the driver's batched call when it has one,
+ * 0: one call per piece; `batch_error`: the CUresult of the first batch call the driver refused (0:
+ * none), after which they go one by one. */
+struct ukv_cuda_path { int32_t batch, batch_error; };
+
 int ukv_cuda_load(void);
-int ukv_cuda_batch_mode(int enable);
-int ukv_cuda_batch_error(void);
-int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
-                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+int ukv_cuda_batch_mode(void);
+int ukv_cuda_copy(struct ukv_cuda_path *path, unsigned ntensors, const uint64_t *bases,
+                  const uint64_t *block_bytes, const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream);
 int ukv_cuda_ctx_current(uint64_t *ctx);
 int ukv_cuda_ctx_use(uint64_t ctx);
@@ -228,7 +232,7 @@ int ukv_cuda_event_query(uint64_t event);
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const uint64_t *dev_slots,
                          const int64_t *gpu_blocks, uint64_t stream, uint64_t done_event);
-int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
+int ukv_cuda_copy_evented(struct ukv_cuda_path *path, uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream);
