@@ -1,4 +1,4 @@
-"""Every CUDA call the copies make: the driver (through ``csrc/cuda.c``), torch.cuda and NVRTC.
+"""The CUDA calls of the copies and their staging: the driver (``csrc/cuda.c``), torch.cuda, NVRTC.
 
 The driver is loaded at run time (``libcuda.so.1``), never linked. Its calls go through the compiled
 module's ``ffi``/``lib``: this module is their second user after ``_native.py``, for the CUDA
@@ -6,7 +6,7 @@ functions only. What it owns: errors as ``CudaError``, contexts, driver events, 
 streams after the caller's, the block copies themselves (per piece, or staged: one copy per block
 and a kernel built with NVRTC), the device staging, and the torch-level pieces the copiers use
 (streams, torch events, pinning host memory). It never decides which path a copy takes: the
-copiers in ``_copy.py`` do. torch is imported where it is needed, so CPU mode never touches CUDA.
+copiers in ``_copy.py`` do. torch is imported inside the functions that need it.
 """
 
 from __future__ import annotations
