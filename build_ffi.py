@@ -1,4 +1,4 @@
-"""cffi (API mode) build of ``uring_kv._native_c``: liburing linked statically, plus small C helpers.
+"""cffi (API mode) build of ``uring_kv._native_c`` from ``uring_kv/csrc/*.c``, liburing linked statically.
 
 The helpers exist because cffi releases the GIL around every call: one call submits N SQEs, reaps N
 CQEs or enqueues N copies, so the per-block cost in Python stays one tuple, not one C call per item.
@@ -165,11 +165,11 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
 int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks);
+struct ukv_cuda_path { int32_t batch, batch_error; };
 int ukv_cuda_load(void);
-int ukv_cuda_batch_mode(int enable);
-int ukv_cuda_batch_error(void);
-int ukv_cuda_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
-                  const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
+int ukv_cuda_batch_mode(void);
+int ukv_cuda_copy(struct ukv_cuda_path *path, unsigned ntensors, const uint64_t *bases,
+                  const uint64_t *block_bytes, const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
                   const uint64_t *slot_addrs, const int64_t *gpu_blocks, uint64_t stream);
 int ukv_cuda_ctx_current(uint64_t *ctx);
 int ukv_cuda_ctx_use(uint64_t ctx);
@@ -181,7 +181,7 @@ int ukv_cuda_event_query(uint64_t event);
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const uint64_t *dev_slots,
                          const int64_t *gpu_blocks, uint64_t stream, uint64_t done_event);
-int ukv_cuda_copy_evented(uint64_t ctx, uint64_t done_event, unsigned ntensors,
+int ukv_cuda_copy_evented(struct ukv_cuda_path *path, uint64_t ctx, uint64_t done_event, unsigned ntensors,
                           const uint64_t *bases, const uint64_t *block_bytes, const uint64_t *slot_offsets,
                           int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const int64_t *gpu_blocks,
                           uint64_t stream);
@@ -206,7 +206,11 @@ unsigned ukv_copier_pump_jobs(struct ukv_copier *c);
 void ukv_copier_free(struct ukv_copier *c);
 """
 
-SOURCE = (Path(__file__).resolve().parent / "uring_kv" / "_native.c").read_text()
+# The C side, one file per concern (see uring_kv/csrc/ukv.h), compiled into this one extension; the
+# module's own source only includes the header that declares what CDEF names.
+C_DIR = "uring_kv/csrc"
+C_SOURCES = [f"{C_DIR}/{name}.c" for name in ("ring", "pump", "copier", "cuda", "ceiling")]
+SOURCE = '#include "ukv.h"\n'
 
 
 def make_builder():  # type: ignore[no-untyped-def]
@@ -219,8 +223,9 @@ def make_builder():  # type: ignore[no-untyped-def]
     builder.set_source(
         "uring_kv._native_c",
         SOURCE,
+        sources=C_SOURCES,  # relative to the project root, where setuptools and __main__ build
         define_macros=[("UKV_LIBURING_VERSION", f'"{version}"')] if version else [],
-        include_dirs=[include_dir],
+        include_dirs=[str(Path(__file__).resolve().parent / C_DIR), include_dir],
         extra_objects=[archive],
         libraries=["dl", "pthread"],
         extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],

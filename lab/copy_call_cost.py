@@ -1,7 +1,7 @@
 """How long the CUDA driver takes to enqueue one copy call (GPU): CPU time, not the copy time.
 
 For groups of 1..32 blocks of 32 layer tensors, times the driver call that the copier's submit
-threads make (``BlockCopier.cuda``), with cuMemcpyBatchAsync and with per-copy calls, for H2D (load)
+threads make (``PieceCopies.enqueue``), with cuMemcpyBatchAsync and with per-copy calls, for H2D (load)
 and D2H (store). This is why copies are enqueued off the event loop, in calls of few blocks.
 
     python lab/copy_call_cost.py [--block-size 131072]
@@ -15,8 +15,9 @@ import time
 
 import torch
 
+from uring_kv._cuda import PieceCopies
 from uring_kv._memory import HostBuffer
-from uring_kv._native import BlockCopier, cuda_copy_path
+from uring_kv._native import BlockCopier
 
 
 def main() -> None:
@@ -33,14 +34,15 @@ def main() -> None:
                          [i * per_layer for i in range(args.layers)])
     stream = torch.cuda.Stream()
     for batch in (True, False):
-        path = cuda_copy_path(batch)
+        pieces = PieceCopies(blocks, batch)
+        path = pieces.description
         for to_slot in (False, True):
             for group in (1, 8, 32):
                 times = []
                 for _ in range(30):
                     addrs = [slab.addr + i * args.block_size for i in range(group)]
                     start = time.perf_counter()
-                    blocks.cuda(to_slot, addrs, list(range(group)), stream.cuda_stream)
+                    pieces.enqueue(to_slot, addrs, list(range(group)), stream.cuda_stream)
                     times.append(time.perf_counter() - start)
                     torch.cuda.synchronize()
                 print(f"{path:28} {'D2H' if to_slot else 'H2D'} group {group:3d}: "

@@ -11,7 +11,7 @@ wrapped to stamp each block and each copy call:
 
 The wrappers cost Python time on the loop, so the throughput printed here is below the bench's;
 the phases are what to compare. The stamps wrap the Python copy path (submit threads and bridge
-in Python), so this sets ``URING_KV_NATIVE_COPIER=0`` unless told otherwise. CPU caches work too
+in Python), so this sets ``URING_KV_DEBUG_NATIVE_COPIER=0`` unless told otherwise. CPU caches work too
 (``--device cpu``, then the copy phases are empty: the host copier is not wrapped).
 
     python lab/copy_phases.py [--block-size 131072] [--slots 32] [--rounds 9] [--device cuda]
@@ -34,11 +34,11 @@ import torch
 from uring_kv import Engine
 from uring_kv import _bridge as bridge_module
 from uring_kv import _copy as copy_module
+from uring_kv import _cuda as cuda_module
 from uring_kv import _engine as engine_module
-from uring_kv import _native as native_module
 from uring_kv._peers import RingCeiling
 
-os.environ.setdefault("URING_KV_NATIVE_COPIER", "0")  # read when an engine opens
+os.environ.setdefault("URING_KV_DEBUG_NATIVE_COPIER", "0")  # read when an engine opens
 now = time.perf_counter
 blocks_seen: dict[int, dict[str, float]] = {}
 kept: list[Any] = []  # keeps stamped blocks alive, so their ids stay unique for the run
@@ -92,14 +92,14 @@ def install() -> None:
         return event
 
     copy_module.CudaCopier.copy = copy_stamped  # type: ignore[method-assign]
-    staged = native_module.BlockCopier.cuda_staged
+    staged = cuda_module.Staging.enqueue
 
-    def staged_stamped(self: Any, ctx: int, func: int, table: int, used: int, event: Any, *args: Any) -> None:
+    def staged_stamped(self: Any, ctx: int, event: Any, *args: Any) -> None:
         stamp_copy(event, "lane")
-        staged(self, ctx, func, table, used, event, *args)
+        staged(self, ctx, event, *args)
         stamp_copy(event, "recorded")
 
-    native_module.BlockCopier.cuda_staged = staged_stamped  # type: ignore[method-assign]
+    cuda_module.Staging.enqueue = staged_stamped  # type: ignore[method-assign]
     wait, fired = bridge_module._wait, bridge_module._fired
 
     def wait_stamped(event: Any) -> None:

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from uring_kv import Engine, _copy, _driver, _io
+from uring_kv import Engine, _bridge, _driver, _io
 
 trace: dict[str, list[Any]] = defaultdict(list)
 live = [False]
 runs: list[Any] = []
 ring: list[Any] = []  # the engine's ring, for the reads in flight after a collection
-_wakeup, _collect, _grow, _finish = (_io.UringBackend._on_wakeup, _copy._NativeLink._collect, _driver.Driver._grow,
+_wakeup, _collect, _grow, _finish = (_io.UringBackend._on_wakeup, _bridge.NativeLink._collect, _driver.Driver._grow,
                                      _driver.Driver._finish)
 
 
@@ -109,7 +109,7 @@ def _summary(batches: list[dict[str, Any]]) -> dict[str, str]:
 
 async def main(args: argparse.Namespace) -> None:
     _io.UringBackend._on_wakeup = _traced_wakeup  # type: ignore[method-assign]
-    _copy._NativeLink._collect = _traced_collect  # type: ignore[method-assign]
+    _bridge.NativeLink._collect = _traced_collect  # type: ignore[method-assign]
     _driver.Driver._grow = _traced_grow  # type: ignore[method-assign]
     _driver.Driver._finish = _traced_finish  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()

@@ -3,7 +3,8 @@
 current context: a batch ordered after the caller's stream in one call, and the engine's context
 borrowed for the call only, so that the caller's current device never moves. The stand-in's events
 can also be held until the test fires them, which checks the native copier's bridge: a job is
-collected only once its own event has fired."""
+collected only once its own event has fired. Its copies are logged too, which checks that the
+per-piece copy path is each copier's own."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ CC = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None, reason="needs a C compiler for the stand-in driver")
 
 PRELUDE = """
-from uring_kv import _native
-assert _native.load_cuda_driver(), "the stand-in driver was not loaded"
+from uring_kv import _cuda
+assert _cuda.load_cuda_driver(), "the stand-in driver was not loaded"
 """
 
 Driver = Callable[[str], list[str]]
@@ -53,9 +54,9 @@ def test_a_batch_is_ordered_after_the_callers_stream_in_the_engines_context(fake
     """Record on the caller's stream (0: the legacy default stream, which is why the context
     matters), every lane waits for that record, and the thread gets its own context back."""
     calls = fake_driver("""
-_native.cuda_use_context(0xc0)  # the caller's context, e.g. another device's
-_native.cuda_order_after(0xc1, 0, 0xe7, _native.u64_array([0x51, 0x52]), 2)
-assert _native.cuda_current_context() == 0xc0
+_cuda.cuda_use_context(0xc0)  # the caller's context, e.g. another device's
+_cuda.cuda_order_after(0xc1, 0, 0xe7, _cuda.stream_array([0x51, 0x52]), 2)
+assert _cuda.cuda_current_context() == 0xc0
 """)
     assert calls == [
         "set 0xc0 0 ctx=0",
@@ -69,32 +70,32 @@ assert _native.cuda_current_context() == 0xc0
 
 def test_ordering_in_the_current_context_switches_nothing(fake_driver: Driver) -> None:
     calls = fake_driver("""
-_native.cuda_use_context(0xc1)
-_native.cuda_order_after(0xc1, 0x5c, 0xe7, _native.u64_array([0x51]), 1)
+_cuda.cuda_use_context(0xc1)
+_cuda.cuda_order_after(0xc1, 0x5c, 0xe7, _cuda.stream_array([0x51]), 1)
 """)
     assert calls == ["set 0xc1 0 ctx=0", "record 0xe7 0x5c ctx=0xc1", "wait 0x51 0xe7 ctx=0xc1"]
 
 
 def test_a_failed_record_raises_waits_for_nothing_and_gives_the_context_back(fake_driver: Driver) -> None:
     calls = fake_driver("""
-_native.cuda_use_context(0xc0)
+_cuda.cuda_use_context(0xc0)
 try:
-    _native.cuda_order_after(0xc1, 0xbad, 0xe7, _native.u64_array([0x51]), 1)
-except _native.CudaError as exc:
+    _cuda.cuda_order_after(0xc1, 0xbad, 0xe7, _cuda.stream_array([0x51]), 1)
+except _cuda.CudaError as exc:
     assert exc.code == 719, exc
 else:
     raise AssertionError("no CudaError")
-assert _native.cuda_current_context() == 0xc0
+assert _cuda.cuda_current_context() == 0xc0
 """)
     assert calls == ["set 0xc0 0 ctx=0", "set 0xc1 0 ctx=0xc0", "record 0xe7 0xbad ctx=0xc1", "set 0xc0 0 ctx=0xc1"]
 
 
 def test_events_made_and_freed_on_the_callers_thread_borrow_the_context(fake_driver: Driver) -> None:
     calls = fake_driver("""
-_native.cuda_use_context(0xc0)
-event = _native.CudaEvent(0xc1)
+_cuda.cuda_use_context(0xc0)
+event = _cuda.CudaEvent(0xc1)
 event.destroy()
-assert _native.cuda_current_context() == 0xc0
+assert _cuda.cuda_current_context() == 0xc0
 """)
     assert calls == [
         "set 0xc0 0 ctx=0",
@@ -144,3 +145,29 @@ jobs.close()
     records = [line for line in calls if line.startswith("record")]
     assert [line.split()[1] for line in records] == [hex(0x1000 + token) for token in range(1, 7)]
     assert all(line.endswith("ctx=0xc1") for line in records)  # the submit thread runs in the engine's context
+
+
+def test_each_copier_keeps_its_own_per_piece_path(fake_driver: Driver) -> None:
+    """Whether per-piece copies are batched is each copier's own choice, nothing process-wide: one
+    batches while another beside it copies piece by piece, and a batch call the driver refuses
+    turns only that copier's copies to one call each (redone that way at once)."""
+    calls = fake_driver("""
+from uring_kv._native import BlockCopier
+
+blocks = BlockCopier([0x100000, 0x200000], [64, 32], [0, 64])
+batched, single = _cuda.PieceCopies(blocks), _cuda.PieceCopies(blocks, batch=False)
+assert batched.description == _cuda.cuda_copy_path() == "cuMemcpyBatchAsync_v2", batched.description
+assert single.description == "per-copy cuMemcpy*Async", single.description
+batched.enqueue(False, [0x9000], [3], 0x51)
+single.enqueue(False, [0x9000], [3], 0x52)
+batched.enqueue(True, [0x9000], [3], 0xba7)
+assert batched.description == "per-copy cuMemcpy*Async (batch call failed with CUresult 1)", batched.description
+batched.enqueue(False, [0x9000], [3], 0x53)
+assert _cuda.PieceCopies(blocks).description == "cuMemcpyBatchAsync_v2"
+""")
+    assert calls == [
+        "batch 0x2 0x51 ctx=0",
+        "htod 0x1000c0 0x52 ctx=0", "htod 0x200060 0x52 ctx=0",
+        "batch 0x2 0xba7 ctx=0", "dtoh 0x1000c0 0xba7 ctx=0", "dtoh 0x200060 0xba7 ctx=0",
+        "htod 0x1000c0 0x53 ctx=0", "htod 0x200060 0x53 ctx=0",
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib.util
 import re
 import subprocess
 import sys
@@ -14,10 +15,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "uring_kv"
 
-# Compiled extensions: import name -> the C file under uring_kv/ they are built from (build_ffi.py).
+
+
+def _c_sources() -> tuple[str, ...]:
+    """The C files build_ffi.py compiles into the extension, relative to uring_kv/."""
+    spec = importlib.util.spec_from_file_location("build_ffi_for_docs", ROOT / "build_ffi.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(Path(source).relative_to("uring_kv").as_posix() for source in module.C_SOURCES)
+
+
+# Compiled extensions: import name -> the C files under uring_kv/ they are built from (build_ffi.py).
 # cffi writes its generated source next to the package as <extension>.c: a build output, not a module.
-EXTENSIONS = {"uring_kv._native_c": "_native.c"}
+EXTENSIONS = {"uring_kv._native_c": _c_sources()}
 GENERATED = {name.rsplit(".", 1)[1] + ".c" for name in EXTENSIONS}
+SUFFIXES = (".py", ".c", ".h")
 MAP_HEADER = "| module | responsibility | may import |"
 
 
@@ -34,27 +47,28 @@ def test_readme_names_the_two_commands_and_ci_runs_the_test_one() -> None:
 
 
 def _package_files() -> set[str]:
-    """Every .py and .c file under uring_kv/, relative to it, less build outputs."""
+    """Every .py, .c and .h file under uring_kv/, relative to it, less build outputs."""
     found = set()
     for path in PACKAGE.rglob("*"):
         rel = path.relative_to(PACKAGE).as_posix()
-        if path.suffix in (".py", ".c") and path.is_file() and "__pycache__" not in path.parts and rel not in GENERATED:
+        if path.suffix in SUFFIXES and path.is_file() and "__pycache__" not in path.parts and rel not in GENERATED:
             found.add(rel)
     return found
 
 
-def _file_of(module: str) -> str | None:
-    """The file under uring_kv/ that a dotted uring_kv module name loads, or None if none does."""
+def _files_of(module: str) -> set[str]:
+    """The files under uring_kv/ that a dotted uring_kv module name loads (an extension: the C files
+    it is built from), or none."""
     if module in EXTENSIONS:
-        return EXTENSIONS[module]
+        return set(EXTENSIONS[module])
     parts = module.split(".")
     if parts[0] != "uring_kv":
-        return None
+        return set()
     rel = "/".join(parts[1:])
     for candidate in ([f"{rel}.py", f"{rel}/__init__.py"] if rel else ["__init__.py"]):
         if (PACKAGE / candidate).is_file():
-            return candidate
-    return None
+            return {candidate}
+    return set()
 
 
 def _runtime_nodes(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
@@ -69,10 +83,11 @@ def _runtime_nodes(nodes: Iterable[ast.AST]) -> Iterator[ast.AST]:
 
 def _imports(rel: str) -> set[str]:
     """The files under uring_kv/ that ``rel`` imports: for Python every import statement, at module
-    level or in a function, outside ``if TYPE_CHECKING:``; for C its quoted #includes of package files.
-    A uring_kv name that loads no file is returned as written, so that it shows up as a mismatch."""
+    level or in a function, outside ``if TYPE_CHECKING:``; for C (and headers) its quoted #includes of
+    package files. A uring_kv name that loads no file is returned as written, so that it shows up as
+    a mismatch."""
     path = PACKAGE / rel
-    if path.suffix == ".c":
+    if path.suffix in (".c", ".h"):
         includes = re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.MULTILINE)
         return {(path.parent / inc).resolve().relative_to(PACKAGE).as_posix()
                 for inc in includes if (path.parent / inc).resolve().is_relative_to(PACKAGE)}
@@ -82,14 +97,14 @@ def _imports(rel: str) -> set[str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "uring_kv":
-                    found.add(_file_of(alias.name) or alias.name)
+                    found |= _files_of(alias.name) or {alias.name}
         elif isinstance(node, ast.ImportFrom):
             base = package[:len(package) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
             if module.split(".")[0] != "uring_kv":
                 continue
             for alias in node.names:  # `from uring_kv import store` names a module; `import Engine` does not
-                found.add(_file_of(f"{module}.{alias.name}") or _file_of(module) or module)
+                found |= _files_of(f"{module}.{alias.name}") or _files_of(module) or {module}
     return found
 
 
@@ -111,7 +126,7 @@ def _module_map() -> dict[str, set[str]]:
 
 
 def test_design_module_map_matches_the_package() -> None:
-    """Every .py/.c file under uring_kv/ has exactly one row, every row names a file that exists, and
+    """Every .py/.c/.h file under uring_kv/ has exactly one row, every row names a file that exists, and
     each row's "may import" lists exactly the package files that file imports (see _imports)."""
     table = _module_map()
     tree = {rel: _imports(rel) for rel in _package_files()}

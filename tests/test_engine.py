@@ -413,7 +413,7 @@ async def test_a_failed_copy_fails_its_blocks_and_poisons_stored_ones(make_engin
 
     inline_bytes, native = _COPY_PATHS[path]
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
-    monkeypatch.setenv("URING_KV_NATIVE_COPIER", native)
+    monkeypatch.setenv("URING_KV_DEBUG_NATIVE_COPIER", native)
     if path != "pumped-copy":  # (which keeps the io_mode's setting: pumps off for uring-python)
         monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
     caches = id_caches("cpu", blocks=8)
@@ -471,7 +471,7 @@ async def test_a_copy_event_that_cannot_be_waited_on_fails_its_blocks(
     from uring_kv._native import FAIL_WAIT
 
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "0")  # every copy through the thread and bridge
-    monkeypatch.setenv("URING_KV_NATIVE_COPIER", native)
+    monkeypatch.setenv("URING_KV_DEBUG_NATIVE_COPIER", native)
     caches = id_caches("cpu", blocks=8)
     async with make_engine(caches, 8, num_slots=2) as engine:
         assert engine.copier.description == ("host memcpy native thread" if native == "1" else "host memcpy thread")

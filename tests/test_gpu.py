@@ -40,7 +40,7 @@ async def store_zero_load(engine: Engine, caches: dict[str, torch.Tensor], disk_
         assert torch.equal(t.view(torch.int16), reference[name].view(torch.int16)), name
 
 
-COPY_PATHS = {  # id: (URING_KV_CUDA_STAGED, URING_KV_CUDA_BATCH, how stats()["copy"] starts)
+COPY_PATHS = {  # id: (URING_KV_DEBUG_CUDA_STAGED, URING_KV_DEBUG_CUDA_BATCH, how stats()["copy"] starts)
     "staged": ("1", "1", "staged"),
     "batched-copies": ("0", "1", "cuMemcpyBatchAsync"),
     "per-copy": ("0", "0", "per-copy"),
@@ -52,8 +52,8 @@ COPY_PATHS = {  # id: (URING_KV_CUDA_STAGED, URING_KV_CUDA_BATCH, how stats()["c
 async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, path: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     staged, batch, description = COPY_PATHS[path]
-    monkeypatch.setenv("URING_KV_CUDA_STAGED", staged)
-    monkeypatch.setenv("URING_KV_CUDA_BATCH", batch)
+    monkeypatch.setenv("URING_KV_DEBUG_CUDA_STAGED", staged)
+    monkeypatch.setenv("URING_KV_DEBUG_CUDA_BATCH", batch)
     caches = bf16_layers()
     async with Engine(caches, tmp_path / "kv.bin", 256, num_slots=16, io=io) as engine:
         assert engine.stats()["copy"].startswith(description)
@@ -214,7 +214,7 @@ async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkey
     the worker thread that creates the file, and the engine then uses it."""
     import threading
 
-    from uring_kv import _copy
+    from uring_kv import _cuda
 
     compiled_on: list[int] = []
     real_compile = torch.cuda._compile_kernel
@@ -223,7 +223,7 @@ async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkey
         compiled_on.append(threading.get_ident())
         return real_compile(*args, **kwargs)
 
-    monkeypatch.setattr(_copy, "_KERNELS", {})
+    monkeypatch.setattr(_cuda, "_KERNELS", {})
     monkeypatch.setattr(torch.cuda, "_compile_kernel", recording_compile)
     caches = bf16_layers(layers=2, blocks=4)
     async with Engine(caches, tmp_path / "kv.bin", 4, num_slots=2) as engine:
@@ -248,7 +248,7 @@ async def test_a_slowed_gpu_never_hands_a_slot_on_before_its_copy(tmp_path: Path
     proves nothing."""
     import time
 
-    monkeypatch.setenv("URING_KV_NATIVE_COPIER", "1" if copier == "native" else "0")
+    monkeypatch.setenv("URING_KV_DEBUG_NATIVE_COPIER", "1" if copier == "native" else "0")
     if protection == "removed":
         release_on_submit(monkeypatch)
     caches = id_caches("cuda", blocks=8)

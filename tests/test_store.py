@@ -392,7 +392,7 @@ async def test_a_failed_store_is_a_miss(make_store: StoreFactory, monkeypatch: p
     from uring_kv._native import BlockCopier
 
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", "0")  # copies on the copier's Python thread
-    monkeypatch.setenv("URING_KV_NATIVE_COPIER", "0")
+    monkeypatch.setenv("URING_KV_DEBUG_NATIVE_COPIER", "0")
     monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
     real_host = BlockCopier.host
     failing = {"left": 1}

@@ -1,4 +1,4 @@
-"""The bridge: one thread per engine that turns fired CUDA copy events into loop callbacks.
+"""The bridges: finished copies become loop callbacks (one thread per engine, or the native copier's eventfd).
 
 Why a thread, and why this shape
 --------------------------------
@@ -16,6 +16,9 @@ blocks. So one thread per engine does the waiting:
 The loop then runs each completion handler; the handlers release leases. A handler whose batch was
 cancelled still runs: that is exactly what keeps a cancelled batch's slots out of the pool until the
 DMA engine is done with them. Per-delivery latency (event fired → handler ran) is kept for the bench.
+
+The native copier (``csrc/copier.c``) has its bridge in C; its finished jobs reach the loop through
+an eventfd, and :class:`NativeLink` is the loop's side of that: it runs their handlers the same way.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from uring_kv._cuda import CudaError
 from uring_kv._loop import LoopServices
+from uring_kv._native import FAIL_WAIT, PUMP_TAG, CopyJobs
 
 
 class Waitable(Protocol):
@@ -133,3 +138,76 @@ def _fired(event: Waitable) -> bool:
 def _failed(event: Waitable, exc: Exception) -> None:
     if event.error is None:
         event.error = exc
+
+
+class NativeLink:
+    """The loop's side of the native copier (``CopyJobs``): each job's handler by token, and the
+    copier's eventfd watched by the loop; one reader callback runs the handlers of every job
+    finished since the last one, in the order the jobs finished, each with its error or None."""
+
+    def __init__(self, jobs: CopyJobs, bridge: Bridge) -> None:
+        self.jobs = jobs
+        self._bridge = bridge
+        self._svc = bridge.services
+        self._handlers: dict[int, Callable[[BaseException | None], None]] = {}
+        self._next = 0
+        # How finished jobs are taken: the engine replaces it with its ring's collection when pumps
+        # queue jobs here (their jobs are handled in C on the ring, see UringBackend.copies_done).
+        self.take: Callable[[], list[tuple[int, int, int, int]]] = jobs.done
+        self._svc.add_reader(jobs.fd, self._collect)
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued and not yet handled on the loop: those with handlers, and pumps'."""
+        return len(self._handlers) + self.jobs.pump_jobs
+
+    def _token(self, handler: Callable[[BaseException | None], None]) -> int:
+        token = self._next
+        self._next += 1
+        self._handlers[token] = handler
+        return token
+
+    def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
+             handler: Callable[[BaseException | None], None], dev_slots: Sequence[int] | None = None,
+             event: int = 0) -> None:
+        """Queue a copy; a copy that cannot be queued (no memory for the job) is delivered as failed
+        on a later loop turn, like one that failed on the thread: nothing was enqueued for it."""
+        token = self._token(handler)
+        try:
+            self.jobs.put(token, to_slot, slot_addrs, gpu_blocks, dev_slots, event)
+        except Exception as exc:
+            self._svc.call_soon(self._deliver, token, exc)
+
+    def mark(self, to_slot: bool, handler: Callable[[BaseException | None], None]) -> None:
+        token = self._token(handler)
+        try:
+            self.jobs.mark(token, to_slot)
+        except BaseException:
+            del self._handlers[token]
+            raise
+
+    def _deliver(self, token: int, error: BaseException | None) -> None:
+        try:
+            self._handlers.pop(token)(error)
+        except Exception as exc:
+            self._svc.report("uring_kv copy completion handler failed", exc)
+
+    def _collect(self) -> None:
+        now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
+        for token, rc, where, done_ns in self.take():
+            self._bridge.delivery_ns.append(now - done_ns)
+            if not token & PUMP_TAG:
+                self._deliver(token, _job_error(rc, where))
+            elif (error := _job_error(rc, where)) is not None:  # a pump's job, handled in C: its
+                self._svc.report("uring_kv copy failed", error)  # blocks failed with EIO, say why
+
+    def close(self) -> None:
+        """Stop watching, then run what is queued and stop the threads (blocking)."""
+        self._svc.remove_reader(self.jobs.fd)
+        self.jobs.close()
+
+
+def _job_error(rc: int, where: int) -> BaseException | None:
+    if not rc:
+        return None
+    return CudaError(rc, "waiting for block copies" if where == FAIL_WAIT else "enqueueing block copies")

@@ -1,40 +1,74 @@
-"""Copies between staging slots and the cache tensors: CUDA streams, or a host thread in CPU mode.
+"""Copies between staging slots and the cache tensors, and which path each takes: a host copier in
+CPU mode, a CUDA copier in GPU mode.
 
-Both copiers enqueue and return an event at once; neither waits. Completion is observed by the
-bridge (``_bridge.Bridge``), which calls the engine's handler on the loop. In CPU mode the "device" is
-a worker thread doing memcpy, so the same bridge, leases and handlers run in CI without a GPU; its
-``delay`` knob holds every copy back to widen race windows in tests.
+Both copiers enqueue and return at once; neither waits. Completion comes back through a bridge
+(``_bridge.py``: the Python bridge thread, or the native copier's eventfd), which calls the engine's
+handler on the loop. In CPU mode the "device" is a thread doing memcpy, so the same bridges, leases
+and handlers run in CI without a GPU; the ``delay`` knob holds every copy back to widen race windows
+in tests. Each copier is told its path by its constructor's parameters; their environment defaults
+are read in one place below. Every CUDA call goes through ``_cuda.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from uring_kv._bridge import Bridge
-from uring_kv._env import env_count
-from uring_kv._native import (
-    FAIL_WAIT,
-    PUMP_TAG,
-    STAGED_MAX,
-    BlockCopier,
-    CopyJobs,
-    CudaError,
-    CudaEvent,
-    cuda_copy_path,
-    cuda_current_context,
-    cuda_order_after,
-    cuda_use_context,
-    load_cuda_driver,
-    u64_array,
-)
+from uring_kv import _cuda
+from uring_kv._bridge import Bridge, NativeLink
+from uring_kv._cuda import CudaEvent, PieceCopies, Staging
+from uring_kv._native import BlockCopier, CopyJobs
+from uring_kv._tuning import Tuning
 
+# The copy paths kept, one line each: where measurements show it winning, or why it stays. Figures in
+# docs/design.md, or in docs/benchmarks.md of the history ("b.md": `git show 3e52711^:docs/benchmarks.md`).
+# - host inline memcpy on the loop: CPU machine, 4 KiB hot loads 39k -> 43-47k blocks/s (design.md, "The bridge").
+# - host, native copier thread: CPU machine 2026-12-03, 2 MiB hot loads 6.1 vs 5.2-5.6 GB/s on a Python thread (b.md).
+# - host, Python thread + bridge (native=False): no win; CI's run of the Python bridge that per-piece CUDA copies use.
+# - CUDA staged on the native copier: H200 2026-12-03, bridge delay p50 34-88 vs 63-120 us on Python lanes (b.md).
+# - CUDA staged on Python lanes (native=False): H200 2026-12-02, 128 KiB hot loads 24.7k vs 19.6k per piece (b.md).
+# - CUDA per piece, batched (no NVRTC, or staged=False): H200, 32 blocks enqueued in 1.7 vs 2.2 ms a call each (b.md).
+# - CUDA per piece, a call each (batch=False): drivers before CUDA 12.8 have no batch call; no win where they do.
+
+# ---- Defaults of the copiers' path parameters, when None is passed (an engine passes its Tuning's
+# ---- fields): the environment's Tuning. CPU mode copies calls of up to Tuning.host_inline_bytes
+# ---- (1 MiB) inline on the loop: a memcpy of 1 MiB takes tens of µs, and handing it to the copier
+# ---- thread and back through the bridge costs more than that.
+
+
+def env_native() -> bool:
+    """``native``: ``Tuning.native_copier`` (``URING_KV_DEBUG_NATIVE_COPIER=0`` keeps the copy
+    threads and the bridge in Python)."""
+    return Tuning.from_env().native_copier
+
+
+def env_inline_bytes() -> int:
+    """``inline_bytes`` (host): ``Tuning.host_inline_bytes`` (``URING_KV_HOST_INLINE_BYTES``)."""
+    return Tuning.from_env().host_inline_bytes
+
+
+def env_staged() -> bool:
+    """``staged`` (CUDA): ``Tuning.cuda_staged`` (``URING_KV_DEBUG_CUDA_STAGED=0`` turns it off)."""
+    return Tuning.from_env().cuda_staged
+
+
+def env_batch() -> bool:
+    """``batch`` (CUDA): ``Tuning.cuda_batch`` (``URING_KV_DEBUG_CUDA_BATCH=0``: a call per piece)."""
+    return Tuning.from_env().cuda_batch
+
+
+def env_lanes(staged: bool) -> int:
+    """``lanes`` (CUDA): ``Tuning.copy_lanes`` (``URING_KV_COPY_LANES``), else 1 on the staged path
+    and 2 per piece."""
+    return Tuning.from_env().copy_lanes or (1 if staged else 2)
+
+
+# ---- The copiers ------------------------------------------------------------------------------------
 
 class HostEvent:
     """The CPU-mode stand-in for a CUDA event: set by the copier thread once the copy is done.
@@ -73,101 +107,18 @@ class _Marker:
 _CudaWork = tuple[CudaEvent, Sequence[int], Sequence[int]] | _Marker
 
 
-def native_copier_wanted() -> bool:
-    """``URING_KV_NATIVE_COPIER=0`` keeps the copy threads and the bridge in Python."""
-    return os.environ.get("URING_KV_NATIVE_COPIER", "1") != "0"
-
-
-class _NativeLink:
-    """The loop's side of the native copier (``CopyJobs``): each job's handler by token, and the
-    copier's eventfd watched by the loop; one reader callback runs the handlers of every job
-    finished since the last one, in the order the jobs finished, each with its error or None."""
-
-    def __init__(self, jobs: CopyJobs, bridge: Bridge) -> None:
-        self.jobs = jobs
-        self._bridge = bridge
-        self._svc = bridge.services
-        self._handlers: dict[int, Callable[[BaseException | None], None]] = {}
-        self._next = 0
-        # How finished jobs are taken: the engine replaces it with its ring's collection when pumps
-        # queue jobs here (their jobs are handled in C on the ring, see UringBackend.copies_done).
-        self.take: Callable[[], list[tuple[int, int, int, int]]] = jobs.done
-        self._svc.add_reader(jobs.fd, self._collect)
-
-    @property
-    def pending(self) -> int:
-        """Jobs queued and not yet handled on the loop: those with handlers, and pumps'."""
-        return len(self._handlers) + self.jobs.pump_jobs
-
-    def _token(self, handler: Callable[[BaseException | None], None]) -> int:
-        token = self._next
-        self._next += 1
-        self._handlers[token] = handler
-        return token
-
-    def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
-             handler: Callable[[BaseException | None], None], dev_slots: Sequence[int] | None = None,
-             event: int = 0) -> None:
-        """Queue a copy; a copy that cannot be queued (no memory for the job) is delivered as failed
-        on a later loop turn, like one that failed on the thread: nothing was enqueued for it."""
-        token = self._token(handler)
-        try:
-            self.jobs.put(token, to_slot, slot_addrs, gpu_blocks, dev_slots, event)
-        except Exception as exc:
-            self._svc.call_soon(self._deliver, token, exc)
-
-    def mark(self, to_slot: bool, handler: Callable[[BaseException | None], None]) -> None:
-        token = self._token(handler)
-        try:
-            self.jobs.mark(token, to_slot)
-        except BaseException:
-            del self._handlers[token]
-            raise
-
-    def _deliver(self, token: int, error: BaseException | None) -> None:
-        try:
-            self._handlers.pop(token)(error)
-        except Exception as exc:
-            self._svc.report("uring_kv copy completion handler failed", exc)
-
-    def _collect(self) -> None:
-        now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
-        for token, rc, where, done_ns in self.take():
-            self._bridge.delivery_ns.append(now - done_ns)
-            if not token & PUMP_TAG:
-                self._deliver(token, _job_error(rc, where))
-            elif (error := _job_error(rc, where)) is not None:  # a pump's job, handled in C: its
-                self._svc.report("uring_kv copy failed", error)  # blocks failed with EIO, say why
-
-    def close(self) -> None:
-        """Stop watching, then run what is queued and stop the threads (blocking)."""
-        self._svc.remove_reader(self.jobs.fd)
-        self.jobs.close()
-
-
-def _job_error(rc: int, where: int) -> BaseException | None:
-    if not rc:
-        return None
-    return CudaError(rc, "waiting for block copies" if where == FAIL_WAIT else "enqueueing block copies")
-
-
-# CPU mode: copy calls of at most this many bytes run inline on the loop (a memcpy of 1 MiB takes
-# tens of µs; handing it to the copier thread and back through the bridge costs more than that).
-HOST_INLINE_BYTES = 1 << 20
-
-
 class _NativeUser:
     """What both copiers say about the native copier: whether they use it, and its jobs not yet
     handled on the loop (the engine waits for none to be left before it closes)."""
 
-    _link: _NativeLink | None = None
+    _link: NativeLink | None = None
 
     @property
     def native(self) -> bool:
         return self._link is not None
 
     @property
-    def link(self) -> _NativeLink | None:
+    def link(self) -> NativeLink | None:
         """The native copier's loop side, if the copies go through it."""
         return self._link
 
@@ -180,10 +131,10 @@ class HostCopier(_NativeUser):
     """CPU mode: small copy calls run inline on the loop; the others on one worker thread, in
     submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
 
-    ``inline_bytes`` (default ``$URING_KV_HOST_INLINE_BYTES`` or 1 MiB; 0 = never): the largest
-    call done inline. A ``delay`` (tests widening race windows) sends every call to the thread.
-    ``native`` (default: ``native_copier_wanted()``): the worker is the native copier's C thread,
-    whose completions reach the loop through its eventfd, instead of a Python thread and the bridge."""
+    ``inline_bytes`` (default :func:`env_inline_bytes`; 0 = never): the largest call done inline.
+    A ``delay`` (tests widening race windows) sends every call to the thread. ``native`` (default
+    :func:`env_native`): the worker is the native copier's C thread, whose completions reach the
+    loop through its eventfd, instead of a Python thread and the bridge."""
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, delay: float = 0.0,
                  inline_bytes: int | None = None, native: bool | None = None) -> None:
@@ -191,17 +142,17 @@ class HostCopier(_NativeUser):
         self._bridge = bridge
         self.delay = delay
         if inline_bytes is None:
-            inline_bytes = env_count("URING_KV_HOST_INLINE_BYTES", HOST_INLINE_BYTES, "a byte count")
+            inline_bytes = env_inline_bytes()
         elif inline_bytes < 0:
             raise ValueError(f"inline_bytes must be >= 0, got {inline_bytes}")
         # How many blocks one inline call may hold (0: none).
         self._inline_blocks = 0 if delay else inline_bytes // max(1, blocks.bytes_per_block)
         self._queue: queue.SimpleQueue[tuple[bool, list[int], list[int], HostEvent] | None] = queue.SimpleQueue()
-        self._link: _NativeLink | None = None
+        self._link: NativeLink | None = None
         self._in_thread = {False: 0, True: 0}  # copies handed to the native thread, not yet back
         self._thread: threading.Thread | None = None
-        if native_copier_wanted() if native is None else native:
-            self._link = _NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge)
+        if env_native() if native is None else native:
+            self._link = NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge)
         else:
             self._thread = threading.Thread(target=self._run, name="uring-kv-host-copier", daemon=True)
             self._thread.start()
@@ -290,107 +241,11 @@ class HostCopier(_NativeUser):
             self._thread.join()
 
 
-# The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
-# block's device staging slot and the tensor. UKV_STAGED_MAX is _native.c's (through cffi); the
-# struct matches _native.c's struct ukv_blocks.
-_SCATTER_SOURCE = f"\n#define UKV_STAGED_MAX {STAGED_MAX}" + r"""
-struct UkvBlocks { unsigned long long staging[UKV_STAGED_MAX]; long long gpu[UKV_STAGED_MAX]; };
-extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlocks b, int to_slot) {
-    const unsigned long long base = table[3 * blockIdx.x], n = table[3 * blockIdx.x + 1],
-                             off = table[3 * blockIdx.x + 2];
-    char* dev = (char*)(base + (unsigned long long)b.gpu[blockIdx.y] * n);
-    char* stage = (char*)(b.staging[blockIdx.y] + off);
-    char* dst = to_slot ? stage : dev;
-    const char* src = to_slot ? dev : stage;
-    if ((((unsigned long long)dst | (unsigned long long)src | n) & 15ULL) == 0) {
-        uint4* d = (uint4*)dst;
-        const uint4* s = (const uint4*)src;
-        for (unsigned long long k = threadIdx.x; k < n / 16; k += blockDim.x) d[k] = s[k];
-    } else {
-        for (unsigned long long k = threadIdx.x; k < n; k += blockDim.x) dst[k] = src[k];
-    }
-}
-"""
-
-
-# A kernel that only waits: slowed copies for tests (``copy_delay``) on the native copier, which
-# launches it before each call's copies as the Python lanes do with torch.cuda._sleep.
-_SPIN_SOURCE = r"""
-extern "C" __global__ void ukv_spin(long long cycles) {
-    const long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-"""
-
-_KERNELS: dict[tuple[str, int], Any] = {}
-_KERNELS_LOCK = threading.Lock()
-
-
-def _kernel(source: str, name: str, device: Any) -> Any:
-    """Kernel ``name`` of ``source`` for ``device``, compiled with NVRTC once per device and process."""
-    import torch
-
-    index = torch.device(device).index
-    key = (name, torch.cuda.current_device() if index is None else index)
-    with _KERNELS_LOCK:
-        if key not in _KERNELS:
-            with torch.cuda.device(key[1]):
-                _KERNELS[key] = torch.cuda._compile_kernel(source, name)
-        return _KERNELS[key]
-
-
-def spin_kernel(device: Any) -> Any:
-    """The waiting kernel for ``device`` (tests only)."""
-    return _kernel(_SPIN_SOURCE, "ukv_spin", device)
-
-
-def staged_kernel(device: Any) -> Any:
-    """The scatter/gather kernel for ``device``, compiled with NVRTC on first use (tens to hundreds
-    of ms: once per device and process). ``Engine.open`` calls it on a worker thread, so the loop
-    never waits for the compiler; an error is raised again where the copier is built."""
-    return _kernel(_SCATTER_SOURCE, "ukv_scatter", device)
-
-
-def staged_copies_wanted() -> bool:
-    return os.environ.get("URING_KV_CUDA_STAGED", "1") != "0"
-
-
-def staged_kernel_preparer(device: Any) -> Callable[[], None] | None:
+def staged_kernel_preparer(device: Any, staged: bool | None = None) -> Callable[[], None] | None:
     """Called on the loop thread: a function that builds the staged kernel for ``device`` on a
-    worker thread, or None (staged copies off, or no driver). A fresh thread has no current CUDA
-    context, and torch does not make one current when the thread's device index already matches,
-    so the function first makes this thread's context for ``device`` current there."""
-    if not staged_copies_wanted() or not load_cuda_driver():
-        return None
-    import torch
-
-    with torch.cuda.device(device):
-        ctx = cuda_current_context()
-
-    def prepare() -> None:
-        if ctx:
-            cuda_use_context(ctx)
-        staged_kernel(device)
-
-    return prepare
-
-
-class _Staging:
-    """Device staging for the staged copy path: one device slot per host slot, the tensor table on
-    the device, the compiled scatter/gather kernel."""
-
-    def __init__(self, torch: Any, device: Any, blocks: BlockCopier, host_base: int, stride: int, slots: int,
-                 used_bytes: int) -> None:
-        self.kernel = staged_kernel(device)
-        self.func = int(self.kernel.func.value)
-        self.table_tensor = torch.tensor([v for row in blocks.table for v in row], dtype=torch.int64, device=device)
-        self.table = int(self.table_tensor.data_ptr())
-        self.slots_tensor = torch.empty(slots * stride, dtype=torch.uint8, device=device)
-        self.dev_base = int(self.slots_tensor.data_ptr())
-        self.host_base, self.used_bytes = host_base, used_bytes
-
-    def dev_slots(self, slot_addrs: Sequence[int]) -> list[int]:
-        return [self.dev_base + (addr - self.host_base) for addr in slot_addrs]
+    worker thread (see :func:`_cuda.staged_kernel_preparer`), or None (``staged`` off, default
+    :func:`env_staged`; or no driver)."""
+    return _cuda.staged_kernel_preparer(device) if (env_staged() if staged is None else staged) else None
 
 
 class _Lane:
@@ -416,51 +271,47 @@ class CudaCopier(_NativeUser):
     (``CudaEvent.recorded``). Ordering against the caller's work (``after``) is put into the
     direction's streams when the batch is called (``order_after``), so every later copy of the batch
     waits for it, whenever and wherever it is enqueued.
+
+    The path, each parameter defaulting (None) to its ``env_*`` function: ``staged`` (given the
+    host slab's ``staging``: base, stride, slots, used bytes), else per piece, through
+    cuMemcpyBatchAsync when ``batch``; ``native``: staged copies on the native copier; ``lanes``.
     """
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, delay: float = 0.0,
                  lanes: int | None = None, staging: tuple[int, int, int, int] | None = None,
-                 native: bool | None = None) -> None:
-        import torch
-
-        if not load_cuda_driver():
+                 native: bool | None = None, staged: bool | None = None, batch: bool | None = None) -> None:
+        if not _cuda.load_cuda_driver():
             raise RuntimeError("uring_kv: cannot load the CUDA driver (libcuda.so.1 with cuMemcpyAsync and events)")
-        self._torch = torch
         self._blocks = blocks
-        # URING_KV_CUDA_BATCH=0 turns cuMemcpyBatchAsync off (one driver call per tensor and block).
-        cuda_copy_path(os.environ.get("URING_KV_CUDA_BATCH", "1") != "0")
+        self._pieces = PieceCopies(blocks, env_batch() if batch is None else batch)
         self._bridge = bridge
         self.device = device
+        self._cuda = _cuda.Device(device)
         self._delay_cycles = int(delay * 1.5e9)  # torch.cuda._sleep counts GPU clock cycles
         # The staged path (one copy per block plus one kernel per call) unless turned off or the
         # kernel cannot be built here (no NVRTC): then one driver copy per tensor and block.
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self.staging_error = ""
-        if staging is not None and staged_copies_wanted():
+        if staging is not None and (env_staged() if staged is None else staged):
             try:
-                with torch.cuda.device(device):
-                    self._staging = _Staging(torch, device, blocks, *staging)
+                self._staging = Staging(device, blocks, *staging)
             except Exception as exc:  # kept for `description`; the per-piece path still works
                 self.staging_error = f"{type(exc).__name__}: {exc}"
         # Lanes: one is enough when a block costs two driver calls (staged), and keeps each
         # direction's events in order for the bridge; the per-piece path needs two to keep up.
-        default = "1" if self._staging is not None else "2"
-        count = lanes if lanes is not None else int(os.environ.get("URING_KV_COPY_LANES", default))
+        count = lanes if lanes is not None else env_lanes(self._staging is not None)
         if count < 1:
             raise ValueError(f"copy lanes must be >= 1, got {count}")
         # The native copier (C submit threads and bridge) takes staged copies.
-        use_native = (native_copier_wanted() if native is None else native) and self._staging is not None
+        use_native = (env_native() if native is None else native) and self._staging is not None
         if use_native:
             count = 1
-        self._lanes: dict[bool, list[_Lane]] = {}
-        with torch.cuda.device(device):
-            low, high = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
-            for to_slot, priority in ((False, high), (True, low)):
-                self._lanes[to_slot] = [_Lane(torch.cuda.Stream(device, priority=priority), to_slot, i,
-                                              self._submit_loop) for i in range(count)]
-            self._marker_streams = {to_slot: torch.cuda.Stream(device) for to_slot in (False, True)}
-            self._ctx = cuda_current_context()  # torch made the device's primary context current
-            self._device_index = torch.cuda.current_device()
+        self._lanes: dict[bool, list[_Lane]] = {
+            to_slot: [_Lane(stream, to_slot, i, self._submit_loop)
+                      for i, stream in enumerate(self._cuda.streams(count, high_priority=not to_slot))]
+            for to_slot in (False, True)}
+        self._marker_streams = {to_slot: self._cuda.stream() for to_slot in (False, True)}
+        self._ctx = self._cuda.context()
         self._next = {False: 0, True: 0}
         self._free: list[CudaEvent] = []
         self._events: list[CudaEvent] = []
@@ -468,21 +319,18 @@ class CudaCopier(_NativeUser):
         # for by the lanes in one C call (a torch.cuda.Event per batch cost ~0.05 ms more of the loop).
         self._order_event = CudaEvent(self._ctx)
         self._events.append(self._order_event)
-        self._lane_streams = {to_slot: (u64_array([lane.stream.cuda_stream for lane in lanes]), len(lanes))
+        self._lane_streams = {to_slot: (_cuda.stream_array([lane.stream.cuda_stream for lane in lanes]), len(lanes))
                               for to_slot, lanes in self._lanes.items()}
-        self._raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._link: _NativeLink | None = None
+        self._link: NativeLink | None = None
         if use_native:
             staging_ = self._staging
             assert staging_ is not None
-            spin = 0
-            if self._delay_cycles:  # tests: every call's copies wait this long on the GPU first
-                with torch.cuda.device(device):
-                    spin = int(spin_kernel(device).func.value)
+            # tests: every call's copies wait this long on the GPU first
+            spin = _cuda.spin_kernel(device) if self._delay_cycles else 0
             jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
                                      self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream),
                             self._delay_cycles, spin)
-            self._link = _NativeLink(jobs, bridge)
+            self._link = NativeLink(jobs, bridge)
             return
         for lane in self._all_lanes():
             lane.thread.start()
@@ -497,12 +345,8 @@ class CudaCopier(_NativeUser):
             for lane in self._lanes[to_slot]:
                 lane.stream.wait_event(event)
             return
-        if self._raw_stream is not None:
-            caller = int(self._raw_stream(self._device_index))
-        else:
-            caller = int(self._torch.cuda.current_stream(self.device).cuda_stream)
         streams, count = self._lane_streams[to_slot]
-        cuda_order_after(self._ctx, caller, self._order_event.handle, streams, count)
+        _cuda.cuda_order_after(self._ctx, self._cuda.caller_stream(), self._order_event.handle, streams, count)
 
     def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
              on_done: Callable[[BaseException | None], None]) -> None:
@@ -538,14 +382,12 @@ class CudaCopier(_NativeUser):
             event, slot_addrs, gpu_blocks = item
             try:
                 if self._delay_cycles:
-                    with self._torch.cuda.device(self.device), self._torch.cuda.stream(stream):
-                        self._torch.cuda._sleep(self._delay_cycles)
+                    self._cuda.sleep(stream, self._delay_cycles)
                 staging = self._staging
                 if staging is not None:
-                    self._blocks.cuda_staged(self._ctx, staging.func, staging.table, staging.used_bytes, event,
-                                             to_slot, slot_addrs, staging.dev_slots(slot_addrs), gpu_blocks, handle)
+                    staging.enqueue(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
                 else:
-                    self._blocks.cuda_evented(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
+                    self._pieces.enqueue_evented(self._ctx, event, to_slot, slot_addrs, gpu_blocks, handle)
             except Exception as exc:  # some copies may be enqueued: wait for them, then report
                 event.error = exc
                 with contextlib.suppress(Exception):
@@ -564,7 +406,7 @@ class CudaCopier(_NativeUser):
         handle). Each lane records its part; the last one joins them on the marker stream."""
         if self._link is not None:
             stream = self._lanes[to_slot][0].stream
-            self._link.mark(to_slot, lambda _error: then(self._record(stream)))
+            self._link.mark(to_slot, lambda _error: then(self._cuda.record(stream)))
             return
         marker = _Marker(then, len(self._lanes[to_slot]))
         for lane in self._lanes[to_slot]:
@@ -573,36 +415,22 @@ class CudaCopier(_NativeUser):
     def settled_event(self, to_slot: bool) -> Any:
         """An event for a batch whose copies are all done (a pump's: the bridge saw their events):
         a torch.cuda.Event recorded now on the direction's stream, for callers to wait on."""
-        return self._record(self._lanes[to_slot][0].stream)
+        return self._cuda.record(self._lanes[to_slot][0].stream)
 
     def pump_dev_slots(self, slot_addrs: Sequence[int]) -> Any:
         """The device staging slot of each of ``slot_addrs`` (the pool's slots in order), as the
         uint64 C array pumps' copy jobs read; None without the staged path."""
         if self._staging is None:
             return None
-        return u64_array(self._staging.dev_slots(slot_addrs))
-
-    def _record(self, stream: Any) -> Any:
-        """A torch event recorded now on ``stream``: after every copy enqueued on it so far."""
-        event = self._torch.cuda.Event()
-        with self._torch.cuda.device(self.device):
-            event.record(stream)
-        return event
+        return self._staging.dev_slot_array(slot_addrs)
 
     def _mark(self, marker: _Marker, stream: Any, to_slot: bool) -> None:
-        part = self._torch.cuda.Event()
-        with self._torch.cuda.device(self.device):
-            part.record(stream)
+        part = self._cuda.record(stream)
         with marker.lock:
             marker.parts.append(part)
             if len(marker.parts) < marker.count:
                 return
-        joined = self._marker_streams[to_slot]
-        event = self._torch.cuda.Event()
-        with self._torch.cuda.device(self.device):
-            for each in marker.parts:
-                joined.wait_event(each)
-            event.record(joined)
+        event = self._cuda.join(marker.parts, self._marker_streams[to_slot])
         self._bridge.call_soon_threadsafe(marker.then, event)
 
     @property
@@ -614,7 +442,8 @@ class CudaCopier(_NativeUser):
     def description(self) -> str:
         if self._staging is not None:
             return "staged: one copy per block + scatter kernel" + (", native copier" if self._link else "")
-        return cuda_copy_path() + (f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
+        return self._pieces.description + (
+            f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
 
     def close(self) -> None:
         if self._link is not None:

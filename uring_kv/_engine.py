@@ -23,6 +23,7 @@ from uring_kv._batch import Batches, TransferHandle
 from uring_kv._blocks import Contents, HazardTable
 from uring_kv._bridge import Bridge
 from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer
+from uring_kv._cuda import host_register, host_unregister
 from uring_kv._driver import Driver, Run
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, open_backend
@@ -135,7 +136,7 @@ class Engine(OpenClose):
         self._state = "opening"
         self._open_done = svc.create_future()  # an aclose() meanwhile waits for it, then closes
         try:
-            prepare = staged_kernel_preparer(self.device) if self.gpu else None
+            prepare = staged_kernel_preparer(self.device, self.tuning.cuda_staged) if self.gpu else None
             self.file = await svc.to_thread(self._open_file, prepare, cleanup=_close_file)
         except BaseException:
             self._state = "closed"
@@ -171,11 +172,7 @@ class Engine(OpenClose):
         self.pool = SlotPool(self.num_slots, stride, self._svc)
         self._host_registered = False
         if self.gpu:
-            import torch
-
-            rc = torch.cuda.cudart().cudaHostRegister(self.pool.slab.addr, self.pool.slab.size, 0)
-            if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister of {self.pool.slab.size} staging bytes failed ({rc})")
+            host_register(self.pool.slab.addr, self.pool.slab.size)
             self._host_registered = True
         self.io.register_buffers([(lease.addr, stride) for lease in self.pool.leases])
         self.io.register_file(self.file.fd)
@@ -184,9 +181,12 @@ class Engine(OpenClose):
         self.copier: HostCopier | CudaCopier
         if self.gpu:
             self.copier = CudaCopier(blocks, self.bridge, self.device, self._copy_delay,
-                                     staging=(self.pool.slab.addr, stride, self.num_slots, self.block_bytes))
+                                     lanes=tuning.copy_lanes or None,
+                                     staging=(self.pool.slab.addr, stride, self.num_slots, self.block_bytes),
+                                     native=tuning.native_copier, staged=tuning.cuda_staged, batch=tuning.cuda_batch)
         else:
-            self.copier = HostCopier(blocks, self.bridge, self._copy_delay)
+            self.copier = HostCopier(blocks, self.bridge, self._copy_delay, inline_bytes=tuning.host_inline_bytes,
+                                     native=tuning.native_copier)
         self._batches.copier = self.copier
         self._driver = Driver(self._svc, tuning, self.file, self.pool, self.io, self.copier, blocks, self._contents,
                               self._hazards, self._batches, self.gpu, self.checksum, self._tensors,
@@ -204,10 +204,8 @@ class Engine(OpenClose):
             if part is not None:
                 steps.append(part.stop if name == "bridge" else part.close)
         if getattr(self, "_host_registered", False):
-            import torch
-
             self._host_registered = False
-            steps.append(functools.partial(torch.cuda.cudart().cudaHostUnregister, self.pool.slab.addr))
+            steps.append(functools.partial(host_unregister, self.pool.slab.addr))
         if self._driver is not None:
             steps.append(self._driver.close)
         if getattr(self, "pool", None) is not None:

@@ -1,9 +1,10 @@
-"""The only module that touches the compiled cffi module (``ffi``/``lib``).
+"""Typed wrappers for the compiled module (``ffi``/``lib``, built from ``csrc/``), less its CUDA part.
 
 It owns: ring setup, batched submit and reap, buffer/file/eventfd registration, the statx DIO
-alignment query, the C disk-ceiling loop and the batched block copiers. Everything else in the
-package sees typed Python functions. It never decides policy (which flags, when to fall back):
-callers do, from the feature values it reports.
+alignment query, the C disk-ceiling loop, host block copies, pumps and the native copier. The
+CUDA driver's functions are wrapped in ``_cuda.py``, the only other module that touches ``ffi``/
+``lib``. Everything else in the package sees typed Python functions. It never decides policy
+(which flags, when to fall back): callers do, from the feature values it reports.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import enum
 import os
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -199,7 +199,7 @@ class PumpCopies:
 
 
 class NativePump:
-    """A batch run in C on ``ring``: see ``struct ukv_pump`` in _native.c.
+    """A batch run in C on ``ring``: see ``struct ukv_pump`` in csrc/pump.c.
 
     Blocks ``i`` go between file offset ``offsets[i]`` and cache block ``cache_blocks[i]`` of every
     tensor of ``blocks``; ``waiting`` (an int32[2] from :func:`counters`) are the slot pool's waiter
@@ -296,11 +296,6 @@ class NativePump:
             _lib.ukv_pump_detach(self._ring._ring, self._p)
 
 
-def u64_array(values: Sequence[int]) -> Any:
-    """Device addresses (see :class:`PumpCopies`) or driver handles as a C uint64 array."""
-    return ffi.new("uint64_t[]", values)
-
-
 def block_array(values: list[int] | int) -> Any:
     """``values`` as a C int64 array (TypeError for a non-integer, OverflowError beyond int64);
     given a count, a zeroed array of that many."""
@@ -373,35 +368,15 @@ def ring_loop(
     )
 
 
-class CudaError(RuntimeError):
-    """A CUDA driver call failed (the CUresult is in ``code``)."""
-
-    def __init__(self, code: int, what: str) -> None:
-        super().__init__(f"{what} failed with CUresult {code}")
-        self.code = code
-
-
-def load_cuda_driver() -> bool:
-    return bool(_lib.ukv_cuda_load() == 0)
-
-
-def cuda_copy_path(enable_batch: bool | None = None) -> str:
-    """Which driver path block copies take; ``enable_batch`` switches cuMemcpyBatchAsync on or off."""
-    mode = _lib.ukv_cuda_batch_mode(-1 if enable_batch is None else int(enable_batch))
-    if mode == 2:
-        return "cuMemcpyBatchAsync_v2"
-    if mode == 1:
-        return "cuMemcpyBatchAsync"
-    error = _lib.ukv_cuda_batch_error()
-    return f"per-copy cuMemcpy*Async (batch call failed with CUresult {error})" if error else "per-copy cuMemcpy*Async"
-
-
-# Blocks one launch of the staged path's scatter kernel moves (_native.c and the kernel source agree).
+# Blocks one launch of the staged CUDA path's kernel moves (csrc/ukv.h; _cuda.py's kernel source and
+# the engine's copy calls are sized by it).
 STAGED_MAX = int(_lib.UKV_STAGED_MAX)
 
 
 class BlockCopier:
-    """Moves whole blocks between staging slots and every cache tensor, many blocks per C call.
+    """Moves whole blocks between staging slots and every cache tensor, many blocks per C call: with
+    memcpy here (:meth:`host`); its C table also serves pumps, the native copier and the CUDA
+    copies (``_cuda.py``).
 
     ``bases[t]`` is tensor t's data pointer, ``block_bytes[t]`` its bytes per block and
     ``slot_offsets[t]`` where its part sits inside a slot. The caller keeps the tensors alive.
@@ -416,7 +391,7 @@ class BlockCopier:
         self.bytes_per_block = sum(int(n) for n in block_bytes)
 
     def c_table(self) -> tuple[int, Any, Any, Any]:
-        """(tensor count, bases, bytes per block, slot offsets) as C arrays, for a pump."""
+        """(tensor count, bases, bytes per block, slot offsets) as C arrays, for the C side."""
         return self._n, self._bases, self._block_bytes, self._slot_offsets
 
     def host(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int]) -> None:
@@ -426,119 +401,9 @@ class BlockCopier:
             ffi.new("uint64_t[]", list(slot_addrs)), ffi.new("int64_t[]", list(gpu_blocks)),
         )
 
-    def cuda(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int], stream: int) -> None:
-        """Enqueue async copies on ``stream`` (a CUstream handle); the current context must own the tensors."""
-        rc = _lib.ukv_cuda_copy(
-            self._n, self._bases, self._block_bytes, self._slot_offsets, int(to_slot), len(slot_addrs),
-            ffi.new("uint64_t[]", list(slot_addrs)), ffi.new("int64_t[]", list(gpu_blocks)), stream,
-        )
-        if rc:
-            raise CudaError(int(rc), "cuMemcpyAsync")
-
-    def cuda_evented(self, ctx: int, done: CudaEvent, to_slot: bool, slot_addrs: Sequence[int],
-                     gpu_blocks: Sequence[int], stream: int) -> None:
-        """One C call: make ``ctx`` current, enqueue the copies on ``stream``, record ``done`` after them."""
-        rc = _lib.ukv_cuda_copy_evented(
-            ctx, done.handle, self._n, self._bases, self._block_bytes, self._slot_offsets, int(to_slot),
-            len(slot_addrs), ffi.new("uint64_t[]", slot_addrs), ffi.new("int64_t[]", gpu_blocks), stream,
-        )
-        if rc:
-            raise CudaError(int(rc), "enqueueing block copies")
-
-    def cuda_staged(self, ctx: int, func: int, table: int, used_bytes: int, done: CudaEvent, to_slot: bool,
-                    slot_addrs: Sequence[int], dev_slots: Sequence[int], gpu_blocks: Sequence[int],
-                    stream: int) -> None:
-        """One C call: per block one copy between the host slot and its device staging slot, and
-        one kernel (``func``, tensor table at ``table``) moving the pieces to or from the caches;
-        then record ``done``."""
-        rc = _lib.ukv_cuda_copy_staged(
-            ctx, func, table, self._n, used_bytes, int(to_slot), len(slot_addrs), ffi.new("uint64_t[]", slot_addrs),
-            ffi.new("uint64_t[]", dev_slots), ffi.new("int64_t[]", gpu_blocks), stream, done.handle,
-        )
-        if rc:
-            raise CudaError(int(rc), "enqueueing staged block copies")
-
-
-_CUDA_ERROR_NOT_READY = 600
-
-
-def cuda_current_context() -> int:
-    """The CUcontext current on this thread (0 if none)."""
-    ctx = ffi.new("uint64_t *")
-    rc = _lib.ukv_cuda_ctx_current(ctx)
-    if rc:
-        raise CudaError(int(rc), "cuCtxGetCurrent")
-    return int(ctx[0])
-
-
-def cuda_use_context(ctx: int) -> None:
-    """Make ``ctx`` current on this thread."""
-    rc = _lib.ukv_cuda_ctx_use(ctx)
-    if rc:
-        raise CudaError(int(rc), "cuCtxSetCurrent")
-
-
-def cuda_order_after(ctx: int, caller: int, event: int, streams: Any, nstreams: int) -> None:
-    """Make ``nstreams`` streams (a C uint64 array) wait for the work enqueued so far on the stream
-    ``caller``: ``event`` is recorded there, and they wait for it. The calling thread's current
-    context is the same afterwards."""
-    rc = _lib.ukv_cuda_order_after(ctx, caller, event, streams, nstreams)
-    if rc:
-        raise CudaError(int(rc), "cuEventRecord/cuStreamWaitEvent")
-
-
-class CudaEvent:
-    """A driver event (blocking sync, no timing) in context ``ctx``: the bridge waits on it with the
-    GIL released (cffi drops it around every C call)."""
-
-    __slots__ = ("_unrecorded", "ctx", "error", "handle")
-
-    def __init__(self, ctx: int) -> None:
-        out = ffi.new("uint64_t *")
-        rc = _lib.ukv_cuda_event_new(ctx, out)
-        if rc:
-            raise CudaError(int(rc), "cuEventCreate")
-        self.ctx = ctx
-        self.handle = int(out[0])
-        self.error: BaseException | None = None  # the enqueue failed (set before recorded())
-        self._unrecorded = threading.Lock()  # held from arm() until the submit thread has recorded it
-
-    def arm(self) -> None:
-        """About to be handed to a submit thread: waiters must wait for ``recorded()`` first."""
-        self._unrecorded.acquire()
-
-    def recorded(self) -> None:
-        self._unrecorded.release()
-
-    def synchronize(self) -> None:
-        with self._unrecorded:  # an event never recorded would count as fired at once
-            pass
-        if self.error is not None:
-            return  # nothing more to wait for: the submit thread synchronized the stream
-        rc = _lib.ukv_cuda_event_sync(self.ctx, self.handle)
-        if rc:
-            raise CudaError(int(rc), "cuEventSynchronize")
-
-    def query(self) -> bool:
-        if self._unrecorded.locked():
-            return False
-        if self.error is not None:
-            return True
-        rc = _lib.ukv_cuda_event_query(self.handle)
-        if rc == _CUDA_ERROR_NOT_READY:
-            return False
-        if rc:
-            raise CudaError(int(rc), "cuEventQuery")
-        return True
-
-    def destroy(self) -> None:
-        if self.handle:
-            _lib.ukv_cuda_event_free(self.ctx, self.handle)
-            self.handle = 0
-
 
 class CopyJobs:
-    """The native copier (``_native.c``): one submit thread per direction running copy jobs, and in
+    """The native copier (``csrc/copier.c``): one submit thread per direction running copy jobs, and in
     CUDA mode a bridge thread waiting for their events, all in C. Finished jobs are collected on
     the loop with :meth:`done` when :attr:`fd` (an eventfd) is readable.
 

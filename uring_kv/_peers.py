@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
+from uring_kv._cuda import PieceCopies, cuda_current_context, cuda_use_context, load_cuda_driver
 from uring_kv._memory import HostBuffer
-from uring_kv._native import BlockCopier, cuda_current_context, cuda_use_context, load_cuda_driver, ring_loop
+from uring_kv._native import BlockCopier, ring_loop
 
 
 def _layer_copier(caches: list[torch.Tensor], per_layer: int) -> BlockCopier:
@@ -75,6 +76,7 @@ class _Copies:
 
     def __init__(self, caches: list[torch.Tensor], per_layer: int, device: torch.device) -> None:
         self.copier = _layer_copier(caches, per_layer)
+        self.pieces = PieceCopies(self.copier)  # batched where the driver can, as vLLM's copy_blocks
         self.gpu = device.type == "cuda"
         self.ctx = 0
         if self.gpu:
@@ -89,7 +91,7 @@ class _Copies:
 
     def copy(self, to_slot: bool, slot_addr: int, gpu_block: int, stream: Any) -> None:
         if self.gpu:
-            self.copier.cuda(to_slot, [slot_addr], [gpu_block], stream.cuda_stream)
+            self.pieces.enqueue(to_slot, [slot_addr], [gpu_block], stream.cuda_stream)
         else:
             self.copier.host(to_slot, [slot_addr], [gpu_block])
 

@@ -15,7 +15,7 @@ says it is finished:
 
     FREE -> RESERVED -> PUMPING --(the pump hands the slot back)--> FREE
 
-Every batch runs in a *pump* (see ``_driver.py``): a native one (``_native.c``) or the Python one
+Every batch runs in a *pump* (see ``_driver.py``): a native one (``csrc/pump.c``) or the Python one
 (``_pypump.py``). The batch's driver acquires a slot (RESERVED: granted, nothing submitted; it may
 wait in the queue for it) and hands it to the pump (PUMPING); the free slots beside it go to the
 pump directly (:meth:`SlotPool.take_for_pump`). The pump carries one block after another through

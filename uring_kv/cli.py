@@ -199,9 +199,10 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
     import torch
 
     from uring_kv import Tuning
+    from uring_kv._cuda import cuda_copy_path, load_cuda_driver
     from uring_kv._file import BlockFile
     from uring_kv._io import open_backend
-    from uring_kv._native import LIBURING_VERSION, cuda_copy_path, load_cuda_driver
+    from uring_kv._native import LIBURING_VERSION
 
     facts: dict[str, Any] = {"uring_kv": __version__, "kernel": platform.release(),
                              "liburing (static)": LIBURING_VERSION}

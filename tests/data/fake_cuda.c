@@ -1,7 +1,8 @@
 /* A stand-in for libcuda.so.1 with the entry points uring_kv resolves: every call is appended to
  * the file named by FAKE_CUDA_LOG with the thread's current context at that moment, so a test on a
  * machine without a GPU can check which driver calls uring_kv makes, in what order, and in which
- * context. cuEventRecord on the stream 0xbad fails (CUDA_ERROR_LAUNCH_FAILED, 719).
+ * context. cuEventRecord on the stream 0xbad fails (CUDA_ERROR_LAUNCH_FAILED, 719); a batched copy
+ * on the stream 0xba7 is refused (CUDA_ERROR_INVALID_VALUE, 1).
  *
  * Events 0x1000-0x1fff fire only when the test says so (fake_fire): until then cuEventQuery answers
  * CUDA_ERROR_NOT_READY (600) and cuEventSynchronize waits. Every other event has always fired. */
@@ -58,12 +59,20 @@ int cuStreamWaitEvent(void *stream, uint64_t event, unsigned flags) {
 }
 int cuStreamSynchronize(uint64_t stream) { logf_("stream_sync", stream, 0); return 0; }
 int cuMemcpyHtoDAsync_v2(uint64_t dst, const void *src, size_t n, void *stream) {
-    (void)dst; (void)src; (void)n; (void)stream;
+    (void)src; (void)n;
+    logf_("htod", dst, (uint64_t)(uintptr_t)stream);
     return 0;
 }
 int cuMemcpyDtoHAsync_v2(void *dst, uint64_t src, size_t n, void *stream) {
-    (void)dst; (void)src; (void)n; (void)stream;
+    (void)dst; (void)n;
+    logf_("dtoh", src, (uint64_t)(uintptr_t)stream);
     return 0;
+}
+int cuMemcpyBatchAsync_v2(uint64_t *dsts, uint64_t *srcs, size_t *sizes, size_t count, void *attrs,
+                          size_t *attr_idxs, size_t num_attrs, void *stream) {
+    (void)dsts; (void)srcs; (void)sizes; (void)attrs; (void)attr_idxs; (void)num_attrs;
+    logf_("batch", count, (uint64_t)(uintptr_t)stream);
+    return (uintptr_t)stream == 0xba7 ? 1 : 0;
 }
 int cuLaunchKernel(uint64_t func, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                    unsigned shmem, void *stream, void **params, void **extra) {
