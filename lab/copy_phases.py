@@ -1,4 +1,4 @@
-"""Where a block's time goes between its read and its slot coming back (GPU mode, per-block path).
+"""Where a block's time goes between its read and its slot coming back (GPU mode, the Python pump).
 
 Loads and stores of random 256-block batches (32 layers, O_DIRECT when the filesystem takes it),
 each followed by the ring ceiling on the same blocks; the engine's handlers and the copier are
@@ -35,20 +35,17 @@ from uring_kv import Engine
 from uring_kv import _bridge as bridge_module
 from uring_kv import _copy as copy_module
 from uring_kv import _cuda as cuda_module
-from uring_kv import _engine as engine_module
+from uring_kv import _pypump as pypump_module
 from uring_kv._peers import RingCeiling
 
-os.environ.setdefault("URING_KV_DEBUG_NATIVE_COPIER", "0")  # read when an engine opens
+os.environ.setdefault("URING_KV_DEBUG_NATIVE_COPIER", "0")  # read when an engine is made
 now = time.perf_counter
 blocks_seen: dict[int, dict[str, float]] = {}
-kept: list[Any] = []  # keeps stamped blocks alive, so their ids stay unique for the run
 copies: dict[int, list[dict[str, float]]] = {}  # per event (reused from a free list): one record per use
 
 
-def stamp(block: Any, key: str) -> None:
-    if id(block) not in blocks_seen:
-        kept.append(block)
-    blocks_seen.setdefault(id(block), {})[key] = now()
+def stamp(block: tuple[int, int], key: str) -> None:
+    blocks_seen.setdefault(hash(block), {})[key] = now()
 
 
 def stamp_copy(event: Any, key: str) -> None:
@@ -68,13 +65,22 @@ def wrap(cls: Any, name: str, before: Callable[..., None]) -> None:
 
 
 def install() -> None:
-    E = engine_module.Engine
-    wrap(E, "_start", lambda self, batch, group: [stamp(b, "start") for b in group])
-    wrap(E, "_on_read", lambda self, block, res: stamp(block, "read"))
-    wrap(E, "_enqueue_copy", lambda self, batch, group: [stamp(b, "enqueued") for b in group])
-    wrap(E, "_on_copied", lambda self, group, error=None: [stamp(b, "copied") for b in group])
-    wrap(E, "_write", lambda self, group: [stamp(b, "write") for b in group])
-    wrap(E, "_on_written", lambda self, block, res: stamp(block, "written"))
+    # The Python pump's handlers; a block is (pump, position).
+    P = pypump_module.PyPump
+    start = P._start
+
+    def start_stamped(self: Any) -> None:
+        first, began = self._next, now()
+        start(self)
+        for position in range(first, self._next):
+            blocks_seen.setdefault(hash((id(self), position)), {})["start"] = began
+
+    P._start = start_stamped  # type: ignore[method-assign]
+    wrap(P, "_on_read", lambda self, index, addr, position, res: stamp((id(self), position), "read"))
+    wrap(P, "_enqueue_copies", lambda self: [stamp((id(self), p), "enqueued") for _, _, p in self._ready])
+    wrap(P, "_on_copied", lambda self, chunk, error=None: [stamp((id(self), p), "copied") for _, _, p in chunk])
+    wrap(P, "_write_out", lambda self, chunk, sums: [stamp((id(self), p), "write") for _, _, p in chunk])
+    wrap(P, "_on_written", lambda self, index, addr, position, sums, res: stamp((id(self), position), "written"))
 
     copy = copy_module.CudaCopier.copy
 
@@ -143,7 +149,6 @@ async def run(args: argparse.Namespace) -> None:
         rng = random.Random(3)
         for op in ("load", "store"):
             blocks_seen.clear()
-            kept.clear()
             copies.clear()
             engine_s = ceiling_s = total_s = 0.0
             for round_index in range(args.rounds):
@@ -190,7 +195,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    os.environ.setdefault("URING_KV_DEBUG_PUMP", "0")  # CPU mode: the per-block path, as on a GPU
+    os.environ.setdefault("URING_KV_DEBUG_PUMP", "0")  # CPU mode: the Python pump, as on a GPU with the Python copier
     install()
     asyncio.run(run(args))
 
