@@ -116,6 +116,15 @@ class Run:
         self.manager.shutdown()  # type: ignore[attr-defined]
 
 
+def reset_primary(r: Run) -> None:
+    """What vLLM's connector does on a cache reset: the manager's reset_cache(), then (vLLM 0.33 and
+    later, which hold promotions back until then) on_reset_flushed() once the reset has gone out."""
+    r.manager.reset_cache()  # type: ignore[attr-defined]
+    flushed = getattr(r.manager, "on_reset_flushed", None)
+    if flushed is not None:
+        flushed()
+
+
 @pytest.fixture
 def run(tmp_path: Path) -> Iterator[Run]:
     r = Run(tmp_path)
@@ -127,7 +136,7 @@ def test_cascade_then_promotion_returns_identical_bytes(run: Run) -> None:
     ks = keys(1, 2, 3)
     run.store("r1", ks)
     assert [run.tier.lookup(k, ReqContext(req_id="x")) for k in ks] == [LookupResult.HIT] * 3
-    run.manager.reset_cache()  # type: ignore[attr-defined]  # the primary forgets; the tiers keep theirs
+    reset_primary(run)  # the primary forgets; the tiers keep theirs
     run.rows[:] = 0
     assert run.promote("r2", ks) == [LookupResult.HIT] * 3
     for k, got in zip(ks, run.loaded_bytes("r2", ks), strict=True):
@@ -158,7 +167,7 @@ def test_capacity_is_never_exceeded(tmp_path: Path) -> None:
             assert os.fstat(fd).st_size <= 5 * ROW
         held = [k for k in keys(*range(16)) if r.tier.lookup(k, ReqContext(req_id="q")) is LookupResult.HIT]
         assert held == keys(11, 12, 13, 14, 15)  # the most recent, least recently used went first
-        r.manager.reset_cache()  # type: ignore[attr-defined]
+        reset_primary(r)
         assert r.promote("r", keys(13, 14)) == [LookupResult.HIT] * 2
         for k, got in zip(keys(13, 14), r.loaded_bytes("r", keys(13, 14)), strict=True):
             assert np.array_equal(got, r.stored[k])
@@ -171,7 +180,7 @@ def test_a_failed_promotion_turns_into_a_miss(run: Run) -> None:
     later lookup is a MISS (not a HIT promoted again and again, vLLM #49176)."""
     ks = keys(5, 6)
     run.store("r1", ks)
-    run.manager.reset_cache()  # type: ignore[attr-defined]
+    reset_primary(run)
     os.ftruncate(run.tier._store.store.engine.file.fd, 0)  # type: ignore[union-attr]
     results = run.promote("r2", ks)
     assert results == [LookupResult.MISS] * 2
@@ -283,7 +292,7 @@ def test_a_failed_store_is_never_a_hit(tmp_path: Path) -> None:
             ctx = ReqContext(req_id="q")
             held = [k for k in keys(*range(160)) if r.tier.lookup(k, ctx) is LookupResult.HIT]
             assert 0 < len(held) <= (1 << 20) // ROW and len(held) == 160 - failures
-            r.manager.reset_cache()  # type: ignore[attr-defined]
+            reset_primary(r)
             sample = held[:4]
             assert r.promote("r", sample) == [LookupResult.HIT] * 4
             for k, got in zip(sample, r.loaded_bytes("r", sample), strict=True):
@@ -320,7 +329,7 @@ def test_eio_from_the_disk_turns_stores_and_promotions_into_misses(tmp_path: Pat
             assert r.tier.stats()["store_failures"] == 2
             faults.clear()
             r.store("w2", keys(4, 5))
-            r.manager.reset_cache()  # type: ignore[attr-defined]
+            reset_primary(r)
             faults.fail_reads(0, ROW)  # the first block of the file: key 0's
             assert r.promote("r", keys(0, 1, 4)) == [LookupResult.MISS, LookupResult.HIT, LookupResult.HIT]
             got = r.loaded_bytes("r", keys(1, 4))
