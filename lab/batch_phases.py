@@ -30,8 +30,8 @@ import torch
 
 from uring_kv import Engine
 from uring_kv import _engine as engine_module
-from uring_kv._bench import LagTicker
-from uring_kv._peers import RingCeiling
+from uring_kv.bench.ceilings import RingCeiling
+from uring_kv.bench.lagprobe import LagTicker
 
 stamps: dict[str, float] = {}
 _grow, _finish = engine_module.Engine._pump_grow, engine_module.Engine._pump_finish

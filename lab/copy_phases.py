@@ -36,7 +36,7 @@ from uring_kv import _bridge as bridge_module
 from uring_kv import _copy as copy_module
 from uring_kv import _engine as engine_module
 from uring_kv import _native as native_module
-from uring_kv._peers import RingCeiling
+from uring_kv.bench.ceilings import RingCeiling
 
 os.environ.setdefault("URING_KV_NATIVE_COPIER", "0")  # read when an engine opens
 now = time.perf_counter

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from uring_kv import Engine, _engine
-from uring_kv._bench import LagTicker
+from uring_kv.bench.lagprobe import LagTicker
 
 
 class TaskTicker(LagTicker):
