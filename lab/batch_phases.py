@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from uring_kv import Engine
-from uring_kv._bench import LagTicker
-from uring_kv._peers import RingCeiling
+from uring_kv.bench.ceilings import RingCeiling
+from uring_kv.bench.lagprobe import LagTicker
 
 stamps: dict[str, float] = {}
 

@@ -1,7 +1,7 @@
 """Each method's batch times in a `uring-kv bench --json` file, grouped by what ran just before.
 
 The bench runs every batch with every method, rotating the order from one batch to the next
-(`_bench._measure`): in round r the methods run in their listed order starting from the (r mod n)th.
+(`bench.measure.measure`): in round r the methods run in their listed order starting from the (r mod n)th.
 This replays that order from the JSON (the rows of an op and case are listed in that order; the
 first `config.warmup` rounds are not in `batch_ms`) and prints, per method, the mean batch time
 after each predecessor, and whether the predecessor had just read or written the same blocks

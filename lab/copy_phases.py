@@ -36,7 +36,7 @@ from uring_kv import _bridge as bridge_module
 from uring_kv import _copy as copy_module
 from uring_kv import _cuda as cuda_module
 from uring_kv import _pypump as pypump_module
-from uring_kv._peers import RingCeiling
+from uring_kv.bench.ceilings import RingCeiling
 
 os.environ.setdefault("URING_KV_DEBUG_NATIVE_COPIER", "0")  # read when an engine is made
 now = time.perf_counter

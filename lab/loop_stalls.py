@@ -21,17 +21,18 @@ import sys
 import time
 from typing import Any
 
-from uring_kv import _bench, _native, cli
+from uring_kv import _native, cli
+from uring_kv.bench import lagprobe
 
 stats: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
 _original_run = asyncio.events.Handle._run
-_original_enter, _original_exit = _bench.LagTicker.__enter__, _bench.LagTicker.__exit__
+_original_enter, _original_exit = lagprobe.LagTicker.__enter__, lagprobe.LagTicker.__exit__
 measuring: list[str] = []  # the method being measured, if any
 windows = [0]  # how many measuring windows were opened or closed: a step spanning two is not counted
 
 
-def _enter(self: _bench.LagTicker) -> _bench.LagTicker:
-    measuring.append(str(sys._getframe(1).f_locals.get("name", "?")))  # _measure's loop variable
+def _enter(self: lagprobe.LagTicker) -> lagprobe.LagTicker:
+    measuring.append(str(sys._getframe(1).f_locals.get("name", "?")))  # measure()'s loop variable
     windows[0] += 1
     _time_select(asyncio.get_running_loop())
     return _original_enter(self)
@@ -64,10 +65,10 @@ def _time_select(loop: asyncio.AbstractEventLoop) -> None:
     selector._stalls_timed = True
 
 
-_original_drain = _bench._Prober.drain
+_original_drain = lagprobe._Prober.drain
 
 
-def _drain(self: _bench._Prober) -> list[float]:
+def _drain(self: lagprobe._Prober) -> list[float]:
     """Each sample later than LATE_S, split: busy (the loop was running callbacks when the probe
     wrote, until it next called select), wake (from the write, or that call, to select's return:
     the loop thread waking up and being scheduled) and ahead (callbacks run in this turn before
@@ -108,7 +109,7 @@ def _print_late() -> None:
                   f" max {1e3 * max(times):.3f} ms")
 
 
-def _exit(self: _bench.LagTicker, *exc: object) -> None:
+def _exit(self: lagprobe.LagTicker, *exc: object) -> None:
     measuring.clear()
     windows[0] += 1
     _original_exit(self, *exc)
@@ -189,9 +190,9 @@ def _print_phases() -> None:
 
 def main() -> int:
     asyncio.events.Handle._run = _timed_run  # type: ignore[method-assign]
-    _bench.LagTicker.__enter__ = _enter  # type: ignore[method-assign]
-    _bench.LagTicker.__exit__ = _exit  # type: ignore[method-assign]
-    _bench._Prober.drain = _drain  # type: ignore[method-assign]
+    lagprobe.LagTicker.__enter__ = _enter  # type: ignore[method-assign]
+    lagprobe.LagTicker.__exit__ = _exit  # type: ignore[method-assign]
+    lagprobe._Prober.drain = _drain  # type: ignore[method-assign]
     _native.NativeRing.reap = _timed("reap", _native.NativeRing.reap)  # type: ignore[method-assign]
     _native.NativeRing.submit = _timed("submit", _native.NativeRing.submit)  # type: ignore[method-assign]
     _native.CopyJobs._put = _timed("copy", _native.CopyJobs._put)  # type: ignore[method-assign]

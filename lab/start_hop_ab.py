@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from uring_kv import Engine, Tuning
-from uring_kv._bench import LagTicker
+from uring_kv.bench.lagprobe import LagTicker
 
 
 class TaskTicker(LagTicker):

@@ -19,7 +19,8 @@ import torch
 from conftest import mounted_tmpfs
 
 from uring_kv import Engine
-from uring_kv._bench import BenchConfig, Workload, staging_slots
+from uring_kv.bench.config import BenchConfig, staging_slots
+from uring_kv.bench.workload import Workload
 from uring_kv.cli import main
 
 
@@ -206,7 +207,7 @@ def test_soak_prints_a_plan_and_progress(tmp_path: Path) -> None:
 
 
 def test_peer_names_are_checked() -> None:
-    from uring_kv._bench import PEERS
+    from uring_kv.bench.config import PEERS
     from uring_kv.cli import _PEER_NAMES, _peers
 
     assert _PEER_NAMES == PEERS
@@ -244,27 +245,27 @@ def test_bench_runs_only_the_peers_asked_for(tmp_path: Path, capsys: pytest.Capt
 def test_each_peer_moves_the_right_bytes(tmp_path: Path, peer: str, store: bool) -> None:
     """A peer on its own, checked the bench's way: loads land each disk block's words in the
     right cache rows; stores put each cache row's words at the right place in the file."""
-    from uring_kv import _peers
-    from uring_kv._bench import _prefill, _verify_file
+    from uring_kv.bench import peers
+    from uring_kv.bench.workload import prefill, verify_file
 
     config = BenchConfig(size=1 << 20, layers=4, batch=8, batches=1)
     work = Workload(config, 16 << 10, torch.device("cpu"))
 
     async def run() -> bool:
         async with Engine(work.caches, tmp_path / "kv.bin", work.num_disk_blocks, 4) as engine:
-            await _prefill(engine, work)
+            await prefill(engine, work)
             fd, stride = engine.file.fd, engine.file.stride
-            method = (_peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride) if peer == "vllm-disk"
-                      else _peers.ThreadPool(work.caches, work.per_layer, work.device, fd, stride, 3))
+            method = (peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride) if peer == "vllm-disk"
+                      else peers.ThreadPool(work.caches, work.per_layer, work.device, fd, stride, 3))
             try:
                 disk, gpu = [9, 3, 40, 7, 12, 60, 1, 33], [5, 0, 7, 2, 6, 1, 3, 4]
                 if store:
                     work.fill_gpu_as(disk[::-1], gpu)  # the file's blocks get other blocks' words...
                     method.run(True, disk, gpu)
-                    assert not await _verify_file(fd, stride, work, disk)
+                    assert not await verify_file(fd, stride, work, disk)
                     work.fill_gpu_as(disk, gpu)  # ...then their own back
                     method.run(True, disk, gpu)
-                    return await _verify_file(fd, stride, work, disk)
+                    return await verify_file(fd, stride, work, disk)
                 work.scrub()
                 method.run(False, disk, gpu)
                 return work.verify(disk, gpu)
@@ -275,7 +276,7 @@ def test_each_peer_moves_the_right_bytes(tmp_path: Path, peer: str, store: bool)
 
 
 def test_kvikio_row_says_why_it_is_missing() -> None:
-    from uring_kv._peers import kvikio_problem
+    from uring_kv.bench.peers import kvikio_problem
 
     assert kvikio_problem(torch.device("cpu")) == "needs CUDA (KvikIO reads into GPU memory)"
     if torch.cuda.is_available():
@@ -303,7 +304,7 @@ def test_staging_slots_default_to_half_the_depth_again_where_copies_are_copier_j
 
 
 def test_the_sizing_advice_takes_the_smallest_depth_near_the_best() -> None:
-    from uring_kv._bench import recommend_depth
+    from uring_kv.bench.ceilings import recommend_depth
 
     assert recommend_depth({4: 0.5, 8: 0.9, 16: 1.0, 32: 1.02, 64: 1.01}) == 16  # 1.0 ≥ 0.95 × 1.02
     assert recommend_depth({4: 0.5, 8: 0.9, 16: 0.95, 32: 1.2}) == 32
@@ -330,14 +331,14 @@ async def test_cpu_bench_set_up_with_spare_slots_runs_in_pumps(tmp_path: Path) -
 def test_the_heap_is_frozen_only_while_measuring() -> None:
     import gc
 
-    from uring_kv._bench import _frozen_heap
+    from uring_kv.bench.measure import frozen_heap
 
     before = gc.get_freeze_count()
     keep = [[i] for i in range(1000)]  # tracked objects alive when the freeze starts
-    with _frozen_heap(True):
+    with frozen_heap(True):
         assert gc.get_freeze_count() >= before + len(keep)
     assert gc.get_freeze_count() == 0
-    with _frozen_heap(False):
+    with frozen_heap(False):
         assert gc.get_freeze_count() == 0
 
 
@@ -347,7 +348,7 @@ def test_lag_ticker_sees_a_stalled_loop() -> None:
     import asyncio
     import time
 
-    from uring_kv._bench import LagTicker
+    from uring_kv.bench.lagprobe import LagTicker
 
     async def run() -> tuple[LagTicker, LagTicker]:
         with LagTicker() as idle:
@@ -366,7 +367,7 @@ def test_lag_ticker_sees_a_stalled_loop() -> None:
 
 
 def test_default_batches_move_about_the_same_bytes_per_block_size() -> None:
-    from uring_kv._bench import batches_for
+    from uring_kv.bench.config import batches_for
 
     config = BenchConfig()  # batches of 256 blocks
     assert batches_for(config, 2 << 20) == 4  # 512 MiB a batch: the floor
@@ -458,12 +459,12 @@ def test_info_names_the_fallback_cause(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
     """lab/bench_order.py groups each batch time by the method that ran just before it, from the
-    JSON alone: it must replay the rotation `_measure` really used. Each stub method reports the
+    JSON alone: it must replay the rotation `measure` really used. Each stub method reports the
     call's position as its time, so every group can be checked against the recorded calls."""
     import importlib.util
     from types import SimpleNamespace
 
-    from uring_kv._bench import _measure
+    from uring_kv.bench.measure import measure
 
     spec = importlib.util.spec_from_file_location("bench_order", Path(__file__).parents[1] / "lab" / "bench_order.py")
     assert spec is not None and spec.loader is not None
@@ -482,7 +483,7 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
     work = SimpleNamespace(load_batches=[[r] for r in range(rounds)], gpu_order=[[0]] * rounds,
                            config=SimpleNamespace(warmup=2), device=torch.device("cpu"), scrub=lambda: None,
                            verify=lambda disk, gpu: True)
-    tallies = await _measure(work, {name: method(name) for name in names}, "load", -1, 0)  # type: ignore[arg-type]
+    tallies = await measure(work, {name: method(name) for name in names}, "load", -1, 0)  # type: ignore[arg-type]
     result = {"config": {"warmup": 2}, "rows": [
         {"op": "load", "case": "cold", "block_bytes": 4096, "method": name,
          "batch_ms": [x * 1e3 for x in tallies[name].latencies]} for name in names]}
@@ -534,14 +535,15 @@ def test_ring_idle_tool_reads_through_every_ring_set_up(tmp_path: Path) -> None:
 def test_a_store_method_that_writes_nothing_is_not_verified(tmp_path: Path) -> None:
     """The checked store round starts from zeroed blocks: a method that writes nothing (or only
     some blocks) fails the check, though every block already held its pattern from the prefill."""
-    from uring_kv._bench import _measure, _prefill
+    from uring_kv.bench.measure import measure
+    from uring_kv.bench.workload import prefill
 
     config = BenchConfig(size=1 << 20, layers=4, batch=8, batches=1, warmup=0)
     work = Workload(config, 16 << 10, torch.device("cpu"))
 
     async def run() -> dict[str, bool]:
         async with Engine(work.caches, tmp_path / "kv.bin", work.num_disk_blocks, 4) as engine:
-            await _prefill(engine, work)
+            await prefill(engine, work)
 
             async def honest(store: bool, disk: list[int], gpu: list[int]) -> None:
                 await engine.store_batch(gpu, disk)
@@ -552,7 +554,7 @@ def test_a_store_method_that_writes_nothing_is_not_verified(tmp_path: Path) -> N
             async def half(store: bool, disk: list[int], gpu: list[int]) -> None:
                 await engine.store_batch(gpu[:4], disk[:4])
 
-            tallies = await _measure(work, {"honest": honest, "idle": idle, "half": half}, "store",
+            tallies = await measure(work, {"honest": honest, "idle": idle, "half": half}, "store",
                                      engine.file.fd, engine.file.stride)
             return {name: tally.verified for name, tally in tallies.items()}
 

@@ -45,7 +45,7 @@ def _size(text: str) -> int:
     return value
 
 
-# The names --peers takes (uring_kv._bench.PEERS, which needs torch to import).
+# The names --peers takes (uring_kv.bench.config.PEERS: the parser imports no bench module).
 _PEER_NAMES = ("vllm-disk", "threads", "kvikio", "fio", "ceiling")
 
 
@@ -128,9 +128,10 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from uring_kv._bench import BenchConfig, run_bench, to_json
     from uring_kv._file import round_up
-    from uring_kv._report import plot, render
+    from uring_kv.bench.config import BenchConfig
+    from uring_kv.bench.report import plot, render
+    from uring_kv.bench.run import run_bench, to_json
 
     block_sizes = args.block_size or BenchConfig().block_sizes
     for block in block_sizes:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from uring_kv._bench import _percentile
+from uring_kv.bench.results import percentile
 
 ADAPTERS = {
     "uring_kv": {"type": "plugin", "module_path": "uring_kv.integrations.lmcache", "class_name": "UringKVL2Adapter"},
@@ -162,7 +162,7 @@ def run(directory: str, chunk_sizes: list[int], total: int, job_keys: int, in_fl
                     seconds, latencies, ok = _drive(adapter, buffer, chunk, sequence, job_keys, in_flight,
                                                     op == "load", expected)
                     results.append(Result(name, chunk, op, keys * chunk / seconds / 1e9,
-                                          _percentile(latencies, 0.5) * 1e3, _percentile(latencies, 0.99) * 1e3,
+                                          percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3,
                                           len(latencies), ok))
             finally:
                 adapter.close()

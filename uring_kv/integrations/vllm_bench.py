@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from uring_kv._bench import _percentile, identity_words
+from uring_kv.bench.results import percentile
+from uring_kv.bench.workload import identity_words
 
 TIERS = {
     "uring_kv": {"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm"},
@@ -164,7 +165,7 @@ def run(directory: str, row_sizes: list[int], total: int, job_keys: int, in_flig
                     seconds, latencies, ok = _drive(secondary, rows, [int(n) for n in sequence], job_keys,
                                                     in_flight, op == "promote")
                     results.append(Result(tier, row_bytes, op, keys * row_bytes / seconds / 1e9,
-                                          _percentile(latencies, 0.5) * 1e3, _percentile(latencies, 0.99) * 1e3,
+                                          percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3,
                                           len(latencies), ok))
                 del rows
             finally:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from uring_kv._bench import BenchConfig, kind_of, recommend_depth, staging_slots
+from uring_kv.bench.ceilings import recommend_depth
+from uring_kv.bench.config import BenchConfig, staging_slots
+from uring_kv.bench.results import kind_of
 
 # What each peer is called in the verdict
 LABELS = {"vllm-disk": "vLLM DiskBackend"}  # threadsN and kvikioN: see _label

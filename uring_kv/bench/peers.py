@@ -1,4 +1,5 @@
-"""What a user would run instead of uring_kv, and the limits of the machine, for ``uring-kv bench``.
+"""What a user would run instead of uring_kv, for ``uring-kv bench`` (the machine's limits are in
+``ceilings``).
 
 Each peer moves the bench's batches between the same file and the same caches as uring_kv, and is
 written after its source so that a reader can check the port step by step (docs/performance.md):
@@ -21,19 +22,12 @@ written after its source so that a reader can check the port step by step (docs/
   device buffer of the batch (KvikIO splits, bounces and copies on its own pool), then one gather
   per layer on the GPU into the caches; stores gather per layer, then one ``pwrite`` per block.
   Direct I/O through KvikIO's ``auto_direct_io_read`` / ``auto_direct_io_write`` in the cold case.
-* ``fio``: fio's io_uring engine at the same block size, depth and file (O_DIRECT, random
-  offsets): the ceiling users already trust, when ``fio`` is on PATH.
-* ``ring ceiling``: a C loop on io_uring with registered buffers at the same depth, no Python.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import json
 import os
-import shutil
-import subprocess
 import threading
 from typing import Any
 
@@ -41,7 +35,7 @@ import torch
 
 from uring_kv._cuda import PieceCopies, cuda_current_context, cuda_use_context, load_cuda_driver
 from uring_kv._memory import HostBuffer
-from uring_kv._native import BlockCopier, ring_loop
+from uring_kv._native import BlockCopier
 
 
 def _layer_copier(caches: list[torch.Tensor], per_layer: int) -> BlockCopier:
@@ -268,55 +262,3 @@ class Kvikio:
         self.file.close()
         self._settings.__exit__(None, None, None)
         del self.staging
-
-
-class RingCeiling:
-    """The disk's ceiling: the C loop on io_uring, registered buffers, a fixed depth, no Python."""
-
-    def __init__(self, fd: int, stride: int, depth: int) -> None:
-        self.fd, self.stride, self.depth = fd, stride, depth
-        self.buffer = HostBuffer(stride * depth)
-
-    def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
-        offsets = [d * self.stride for d in disk_blocks]
-        if not store:
-            return ring_loop(self.fd, False, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
-        # The ceiling writes whatever its buffer holds: keep the blocks' bytes (aligned, for O_DIRECT)
-        # and put them back afterwards.
-        snapshot = HostBuffer(self.stride * len(offsets))
-        views = [snapshot.view[i * self.stride:(i + 1) * self.stride] for i in range(len(offsets))]
-        for view, offset in zip(views, offsets, strict=True):
-            os.preadv(self.fd, [view], offset)
-        elapsed = ring_loop(self.fd, True, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
-        for view, offset in zip(views, offsets, strict=True):
-            os.pwritev(self.fd, [view], offset)
-            view.release()
-        snapshot.close()
-        return elapsed
-
-    def close(self) -> None:
-        self.buffer.close()
-
-
-def fio_path() -> str | None:
-    return shutil.which("fio")
-
-
-def run_fio(path: str, store: bool, block_bytes: int, depth: int, file_bytes: int, io_bytes: int) -> float:
-    """fio's io_uring engine on ``path`` (O_DIRECT, random offsets, ``depth`` in flight): GB/s.
-    Its writes leave fio's bytes in the file: run it after the methods whose stores are verified."""
-    fio = fio_path()
-    if fio is None:
-        raise RuntimeError("fio is not on PATH")
-    command = [fio, "--name=ceiling", f"--filename={path}", f"--rw={'randwrite' if store else 'randread'}",
-               f"--bs={block_bytes}", f"--iodepth={depth}", "--ioengine=io_uring", "--direct=1",
-               f"--size={file_bytes}", f"--io_size={io_bytes}", "--numjobs=1", "--randrepeat=0",
-               "--output-format=json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if done.returncode:
-        said = done.stderr.strip().splitlines()
-        raise RuntimeError(f"fio failed: {said[-1] if said else f'exit status {done.returncode}'}")
-    with contextlib.suppress(ValueError):
-        job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
-        return float(job["write" if store else "read"]["bw_bytes"]) / 1e9
-    raise RuntimeError("fio printed no JSON result")

@@ -1,0 +1,65 @@
+"""A bench result's rows: one :class:`Row` per method, operation, case and block size, the ratios
+between them, and the loop's lag pooled over a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    block_bytes: int
+    method: str
+    kind: str  # "uring_kv", "peer" or "ceiling"
+    gbps: float
+    blocks_per_s: float
+    p50_ms: float
+    p99_ms: float
+    cpu_s: float
+    lag_max_ms: float
+    lag_p99_ms: float
+    verified: bool
+    timer_lag_max_ms: float = 0.0
+    timer_lag_p99_ms: float = 0.0
+    batch_ms: list[float] = field(default_factory=list)  # every measured batch, in order
+    ratios: dict[str, float] = field(default_factory=dict)
+    lag_samples: int = 0  # probe samples behind lag_max_ms / lag_p99_ms (1 per ms of the row's batches)
+    lag_ms: list[float] = field(default_factory=list, repr=False)  # those samples (pooled per run, not in the JSON)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def kind_of(method: str) -> str:
+    """"uring_kv", "peer" or "ceiling"."""
+    if method.startswith("uring_kv"):
+        return "uring_kv"
+    return "ceiling" if method in ("ring ceiling", "fio", "pcie ceiling") else "peer"
+
+
+def ratios(rows: list[Row]) -> None:
+    """``ratios[X]`` of a uring_kv row: its GB/s ÷ X's on the same operation, case and block size
+    (the PCIe ceiling: on the same operation). Above 1: uring_kv moved the bytes faster; for a
+    ceiling, the fraction of that limit uring_kv reached."""
+    for row in rows:
+        if row.method != "uring_kv":
+            continue
+        for other in rows:
+            same = (other.op, other.case, other.block_bytes) == (row.op, row.case, row.block_bytes)
+            if other is not row and (same or (other.method == "pcie ceiling" and other.op == row.op)):
+                row.ratios[other.method] = row.gbps / other.gbps if other.gbps else float("inf")
+
+
+def pooled_lag(rows: list[Row], method: str = "uring_kv") -> dict[str, float | int]:
+    """The loop's lag over the whole run while ``method`` moved blocks: every probe sample of
+    every one of its rows together. A row of short batches holds few samples (a 128 KiB batch
+    takes a few milliseconds, so its p99 is its maximum); pooled, the p99 rests on thousands."""
+    lag = [x for row in rows if row.method == method for x in row.lag_ms]
+    return {"samples": len(lag), "max_ms": round(max(lag, default=0.0), 3),
+            "p99_ms": round(percentile(lag, 0.99), 3), "p50_ms": round(percentile(lag, 0.5), 3)}
