@@ -241,24 +241,34 @@ def use_python_pump(engine: Engine, on: bool = True) -> None:
 
 def release_on_submit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug the seed race exists for: a load's slot freed as soon as its copy is enqueued (in the
-    Python pump: batches do not go through native pumps here)."""
+    Python pump: batches do not go through native pumps here). The call itself still returns only
+    once its copies have run, as it would with the bug; only the slot goes on too early."""
     from uring_kv._pypump import PyPump
 
     monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
 
     original_enqueue, original_on_copied = PyPump._enqueue_copies, PyPump._on_copied
+    original_finished = PyPump.finished
+    copying: dict[int, int] = {}  # pump → its copies not yet done
 
     def enqueue_then_release(self: PyPump) -> None:
         group = list(self._ready)
         original_enqueue(self)
         if not self._write:
+            copying[id(self)] = copying.get(id(self), 0) + len(group)
             for index, addr, _ in group:
                 self._slot_free(index, addr)  # the bug: the copy may still be reading this slot
 
     def on_copied(self: PyPump, chunk: list[Any], error: BaseException | None = None) -> None:
         if not self._write:
-            return  # (released already)
+            copying[id(self)] -= len(chunk)  # (the slots went back already)
+            self._schedule()
+            return
         original_on_copied(self, chunk, error)
+
+    def finished(self: PyPump) -> bool:
+        return bool(original_finished.fget(self)) and not copying.get(id(self))  # type: ignore[attr-defined]
 
     monkeypatch.setattr(PyPump, "_enqueue_copies", enqueue_then_release)
     monkeypatch.setattr(PyPump, "_on_copied", on_copied)
+    monkeypatch.setattr(PyPump, "finished", property(finished))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,8 @@ async def test_an_explicit_tuning_wins_over_the_environment(tmp_path: Path, monk
 
 
 def test_info_prints_the_tuning_in_force() -> None:
-    env = {"URING_KV_DEBUG_PUMP_SCATTER": "0", "PATH": "/usr/bin:/bin"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("URING_KV_")}
+    env["URING_KV_DEBUG_PUMP_SCATTER"] = "0"
     done = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "info"], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr
