@@ -195,6 +195,19 @@ def _bench_lmcache(args: argparse.Namespace) -> int:
     return lmcache_bench.main(args)
 
 
+def _bench_sglang(args: argparse.Namespace) -> int:
+    from uring_kv.integrations import sglang_bench
+
+    for size in args.page_bytes or []:
+        if size % 4096:
+            raise UsageError(f"--page-bytes {size}: a page of the host pool is read and written whole, "
+                             "in place: a multiple of 4096 bytes")
+    args.path = _directory(args.path)
+    pages = max(args.page_bytes or [2 << 20])
+    _free_space(args.path, max(args.bytes, args.request * pages) + pages)  # one backend's files at a time
+    return sglang_bench.main(args)
+
+
 def info(path: str | None) -> tuple[dict[str, Any], str | None]:
     """What uring_kv would use here, and the reason it cannot run (or None)."""
     import torch
@@ -385,6 +398,20 @@ def main(argv: list[str] | None = None) -> int:
                                help="adapters to run (repeatable; default all)")
     bench_lmcache.add_argument("--json", help="write the results as JSON to this file")
     bench_lmcache.set_defaults(func=_bench_lmcache)
+    bench_sglang = sub.add_parser("bench-sglang", formatter_class=defaults,
+                                  help="UringKVHiCacheStorage against SGLang's own HiCacheFile backend (needs SGLang)")
+    bench_sglang.add_argument("--path", help="directory for both backends' files (default: the temp directory)")
+    bench_sglang.add_argument("--page-bytes", type=_size, action="append",
+                              help="bytes per host-pool page, SGLang's unit of storage (repeatable; default 128K, 2M)")
+    bench_sglang.add_argument("--bytes", type=_size, default=1 << 30,
+                              help="bytes each backend backs up per page size (the host pool holds them all)")
+    bench_sglang.add_argument("--request", type=_at_least(1), default=32,
+                              help="pages per request (its calls: at most 128 pages, SGLang's batch)")
+    bench_sglang.add_argument("--threads", type=_at_least(1), default=2, help="threads calling each backend at once")
+    bench_sglang.add_argument("--backend", action="append", choices=("uring_kv", "file"),
+                              help="backends to run (repeatable; default both)")
+    bench_sglang.add_argument("--json", help="write the results as JSON to this file")
+    bench_sglang.set_defaults(func=_bench_sglang)
     info_parser = sub.add_parser("info", help="what uring_kv would use on this machine")
     info_parser.add_argument("--path", help="directory to probe for O_DIRECT (default: the temp directory)")
     info_parser.set_defaults(func=_info)

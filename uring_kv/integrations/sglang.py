@@ -3,8 +3,8 @@
 SGLang's hierarchical cache keeps KV pages in a host memory pool (L2) and backs them up to a
 storage backend (L3), prefetching them back into the pool on a later hit. This backend keeps
 those pages in one file through a :class:`uring_kv.SyncBlockStore` (CPU mode over the host pool:
-io_uring reads and writes straight between the file and the pool's pages, no copies), with a
-hard capacity and LRU eviction. Load it with SGLang's dynamic backend::
+io_uring reads straight from the file into the pool's pages; writes go through one memcpy into
+a staging slot), with a hard capacity and LRU eviction. Load it with SGLang's dynamic backend::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
         "backend_name": "uring_kv", "module_path": "uring_kv.integrations.sglang",
