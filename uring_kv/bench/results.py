@@ -3,7 +3,12 @@ between them, and the loop's lag pooled over a run."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -63,3 +68,26 @@ def pooled_lag(rows: list[Row], method: str = "uring_kv") -> dict[str, float | i
     lag = [x for row in rows if row.method == method for x in row.lag_ms]
     return {"samples": len(lag), "max_ms": round(max(lag, default=0.0), 3),
             "p99_ms": round(percentile(lag, 0.99), 3), "p50_ms": round(percentile(lag, 0.5), 3)}
+
+
+def framework_report(title: str, lines: list[str], json_path: str | None, config: dict[str, Any],
+                     results: list[Any]) -> int:
+    """The end of a framework bench (``bench-vllm``, ``bench-lmcache``, ``bench-sglang``): the title
+    and table on stdout, the JSON (config, each result row as a dict) where asked; exit status 0 when
+    every row's bytes checked, else 1."""
+    print(title)
+    for line in lines:
+        print(line)
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump({"config": config, "results": [dataclasses.asdict(r) for r in results]}, out, indent=2)
+    return 0 if all(r.verified for r in results) else 1
+
+
+def progress_printer(command: str) -> Callable[[str], None]:
+    """A progress line on stderr for ``command`` (``bench-vllm: ...``)."""
+
+    def progress(message: str) -> None:
+        print(f"{command}: {message}", file=sys.stderr, flush=True)
+
+    return progress

@@ -28,12 +28,12 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from uring_kv.bench.results import percentile
+from uring_kv.bench.results import framework_report, percentile, progress_printer
 
 ADAPTERS = {
     "uring_kv": {"type": "plugin", "module_path": "uring_kv.integrations.lmcache", "class_name": "UringKVL2Adapter"},
@@ -195,17 +195,10 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    def progress(message: str) -> None:
-        print(f"bench-lmcache: {message}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("bench-lmcache")
     results = run(args.path, args.chunk_size or [128 << 10, 2 << 20], args.bytes, args.job, args.jobs,
                   args.adapter, progress)
-    print(f"uring-kv bench-lmcache · UringKVL2Adapter vs LMCache's fs and fs_native L2 adapters · {args.path} · "
-          f"tasks of {args.job} chunks, {args.jobs} in flight · {time.strftime('%Y-%m-%d')}")
-    for line in render(results):
-        print(line)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"config": {"path": args.path, "bytes": args.bytes, "job": args.job, "jobs": args.jobs},
-                       "results": [asdict(r) for r in results]}, out, indent=2)
-    return 0 if all(r.verified for r in results) else 1
+    title = (f"uring-kv bench-lmcache · UringKVL2Adapter vs LMCache's fs and fs_native L2 adapters · {args.path} · "
+             f"tasks of {args.job} chunks, {args.jobs} in flight · {time.strftime('%Y-%m-%d')}")
+    config = {"path": args.path, "bytes": args.bytes, "job": args.job, "jobs": args.jobs}
+    return framework_report(title, render(results), args.json, config, results)

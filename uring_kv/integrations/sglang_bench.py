@@ -45,20 +45,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from uring_kv.bench.results import percentile
+from uring_kv.bench.results import framework_report, percentile, progress_printer
 from uring_kv.bench.workload import identity_words
 
 BACKENDS = ("uring_kv", "file")
@@ -312,18 +311,11 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    def progress(message: str) -> None:
-        print(f"bench-sglang: {message}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("bench-sglang")
     results = run(args.path, args.page_bytes or [128 << 10, 2 << 20], args.bytes, args.request, args.threads,
                   args.backend, progress)
-    print(f"uring-kv bench-sglang · UringKVHiCacheStorage vs SGLang's HiCacheFile · {args.path} · requests of "
-          f"{args.request} pages, calls of ≤ {BATCH}, {args.threads} threads · {time.strftime('%Y-%m-%d')}")
-    for line in render(results):
-        print(line)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"config": {"path": args.path, "bytes": args.bytes, "request": args.request,
-                                  "threads": args.threads, "tokens_per_page": TOKENS_PER_PAGE, "batch": BATCH},
-                       "results": [asdict(r) for r in results]}, out, indent=2)
-    return 0 if all(r.verified for r in results) else 1
+    title = (f"uring-kv bench-sglang · UringKVHiCacheStorage vs SGLang's HiCacheFile · {args.path} · requests of "
+             f"{args.request} pages, calls of ≤ {BATCH}, {args.threads} threads · {time.strftime('%Y-%m-%d')}")
+    config = {"path": args.path, "bytes": args.bytes, "request": args.request, "threads": args.threads,
+              "tokens_per_page": TOKENS_PER_PAGE, "batch": BATCH}
+    return framework_report(title, render(results), args.json, config, results)

@@ -17,20 +17,19 @@ cold: the page cache is dropped for the fs tier's files before the promotions
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from uring_kv.bench.results import percentile
+from uring_kv.bench.results import framework_report, percentile, progress_printer
 from uring_kv.bench.workload import identity_words
 
 TIERS = {
@@ -194,16 +193,9 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    def progress(message: str) -> None:
-        print(f"bench-vllm: {message}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("bench-vllm")
     results = run(args.path, args.row_size or [128 << 10, 2 << 20], args.bytes, args.job, args.jobs, progress)
-    print(f"uring-kv bench-vllm · UringKVTier vs vLLM's fs tier · {args.path} · jobs of {args.job} rows, "
-          f"{args.jobs} in flight · {time.strftime('%Y-%m-%d')}")
-    for line in render(results):
-        print(line)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"config": {"path": args.path, "bytes": args.bytes, "job": args.job, "jobs": args.jobs},
-                       "results": [asdict(r) for r in results]}, out, indent=2)
-    return 0 if all(r.verified for r in results) else 1
+    title = (f"uring-kv bench-vllm · UringKVTier vs vLLM's fs tier · {args.path} · jobs of {args.job} rows, "
+             f"{args.jobs} in flight · {time.strftime('%Y-%m-%d')}")
+    config = {"path": args.path, "bytes": args.bytes, "job": args.job, "jobs": args.jobs}
+    return framework_report(title, render(results), args.json, config, results)
