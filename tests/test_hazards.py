@@ -1,6 +1,6 @@
 """The hazard rules, pinned down on every driver: a load sees exactly the last store called before
 it, and a store waits for every read of its block called before it, however many readers there
-are, wherever the block sits in its batch, and whether each call runs in a pump or block by block.
+are, wherever the block sits in its batch, and whether each call runs in a native pump or the Python one.
 
 One request is made slow in the fault filesystem (``FaultState.slow_next``: of several reads of
 the same bytes only the first is slow), so the order of events is fixed, not left to timing:

@@ -432,7 +432,7 @@ async def test_a_pump_hands_its_slots_to_a_waiting_batch(fault_fs: tuple[Path, F
 
 
 async def test_batches_beyond_the_free_pumps_run_without_one(make_engine: EngineFactory) -> None:
-    """300 one-block loads at once: the ring has 256 pumps; the others take the per-block path,
+    """300 one-block loads at once: the ring has 256 pumps; the others run in the Python pump,
     and every block arrives."""
     caches = id_caches("cpu", blocks=300)
     async with make_engine(caches, 300, num_slots=2) as engine:

@@ -120,7 +120,7 @@ class IOBackend(ABC):
         self._idle: Any = None  # a future while drain() waits
 
     def pump_ring(self) -> PumpRing | None:
-        """This backend as a ring that runs native pumps, or None where batches go block by block."""
+        """This backend as a ring that runs native pumps, or None (its batches run in the Python pump)."""
         return None
 
     @abstractmethod

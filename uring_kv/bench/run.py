@@ -105,7 +105,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                                                        config.io_depth, stride * work.num_disk_blocks, moved)
                         rows.append(Row(op, case, block_bytes, "fio", "ceiling", gbps, gbps * 1e9 / stride, 0.0, 0.0,
                                         0.0, 0.0, 0.0, True))
-                # batches run in native pumps (else block by block), the prefill's included
+                # batches run in native pumps (else in the Python pump), the prefill's included
                 extra[case]["pumped_batches"] = engine.stats()["pumped_batches"]
             finally:
                 closing.close()
