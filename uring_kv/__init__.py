@@ -5,6 +5,7 @@ from uring_kv._tuning import Tuning
 from uring_kv.errors import (
     BlockIOError,
     EngineClosedError,
+    GeometryMismatchError,
     KeyIOError,
     KeyMissingError,
     UringKVError,
@@ -13,6 +14,6 @@ from uring_kv.errors import (
 from uring_kv.store import BlockStore
 from uring_kv.sync import SyncBlockStore
 
-__all__ = ["BlockIOError", "BlockStore", "Engine", "EngineClosedError", "KeyIOError", "KeyMissingError",
-           "SyncBlockStore", "TransferHandle", "Tuning", "UringKVError", "UringUnavailable"]
+__all__ = ["BlockIOError", "BlockStore", "Engine", "EngineClosedError", "GeometryMismatchError", "KeyIOError",
+           "KeyMissingError", "SyncBlockStore", "TransferHandle", "Tuning", "UringKVError", "UringUnavailable"]
 __version__ = "0.1.0"
