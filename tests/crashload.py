@@ -74,3 +74,29 @@ async def _run(path: str, seed: int, fsync: bool, ready: Any, progress: Any) -> 
                         os._exit(WRONG_BYTES)
 
     await asyncio.gather(*(worker(index) for index in range(WORKERS)))
+
+
+def put_then_wait(path: str, fsync: bool, done: Any) -> None:
+    """Another child's body: put keys 0 .. CAPACITY/2 - 1 (two puts), say so (``done.set()``), then
+    wait to be killed."""
+    asyncio.run(_put_then_wait(path, fsync, done))
+
+
+async def _put_then_wait(path: str, fsync: bool, done: Any) -> None:
+    rows_of = caches()
+    async with open_store(path, fsync, rows_of) as store:
+        for first in range(0, CAPACITY // 2, ROWS):
+            ids = list(range(first, min(first + ROWS, CAPACITY // 2)))
+            for row, i in enumerate(ids):
+                fill(rows_of, row, i, 1)
+            await store.put([key(i) for i in ids], range(len(ids)))
+        done.set()
+        await asyncio.sleep(3600)
+
+
+def key_id(k: bytes) -> int:
+    """The i of ``key(i)``."""
+    return _IDS[k]
+
+
+_IDS = {key(i): i for i in range(KEYS)}
