@@ -12,8 +12,10 @@ from uring_kv.errors import (
     UringUnavailable,
 )
 from uring_kv.store import BlockStore
+from uring_kv.striped import StripedBlockStore
 from uring_kv.sync import SyncBlockStore
 
 __all__ = ["BlockIOError", "BlockStore", "Engine", "EngineClosedError", "GeometryMismatchError", "KeyIOError",
-           "KeyMissingError", "SyncBlockStore", "TransferHandle", "Tuning", "UringKVError", "UringUnavailable"]
+           "KeyMissingError", "StripedBlockStore", "SyncBlockStore", "TransferHandle", "Tuning", "UringKVError",
+           "UringUnavailable"]
 __version__ = "0.1.0"

@@ -60,6 +60,22 @@ from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError
 PAD_FOR_CAPACITY = 4096
 
 
+def capacity_in_blocks(caches: Any, capacity_blocks: int | None, capacity_bytes: int | None) -> int:
+    """The capacity given as ``capacity_blocks`` or as ``capacity_bytes`` (one of them), in blocks."""
+    if (capacity_blocks is None) == (capacity_bytes is None):
+        raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
+    if capacity_bytes is not None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        _, tensors = normalise_caches(caches)
+        padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
+        capacity_blocks = capacity_bytes // padded
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
+    assert capacity_blocks is not None
+    return capacity_blocks
+
+
 @dataclass(eq=False, slots=True)
 class _Entry:
     key: bytes
@@ -119,17 +135,7 @@ class BlockStore:
             if engine_options.get("checksum") is False:
                 raise ValueError("a persistent store checks every block's crc32c: checksum=False is refused")
             engine_options.update(checksum=True, keep_file=True)
-        if (capacity_blocks is None) == (capacity_bytes is None):
-            raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
-        if capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
-                raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
-            _, tensors = normalise_caches(caches)
-            padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
-            capacity_blocks = capacity_bytes // padded
-            if capacity_blocks < 1:
-                raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
-        assert capacity_blocks is not None
+        capacity_blocks = capacity_in_blocks(caches, capacity_blocks, capacity_bytes)
         self.engine = Engine(caches, path, capacity_blocks, num_slots, **engine_options)  # checks the rest
         self.capacity = capacity_blocks
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # visible keys, least recently used first
