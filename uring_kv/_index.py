@@ -152,8 +152,9 @@ class Index:
         result: Restored = await self._svc.wait(self._call(self._restore, data_fd, stride, capacity, fresh_file))
         return result
 
-    def write(self, deletes: list[tuple[bytes, int]] = [], inserts: list[tuple[bytes, int, int, int]] = [],  # noqa: B006
-              touches: list[tuple[int, bytes]] = [], sync: bool = False) -> Any:  # noqa: B006
+    def write(self, deletes: list[tuple[bytes, int]] | None = None,
+              inserts: list[tuple[bytes, int, int, int]] | None = None,
+              touches: list[tuple[int, bytes]] | None = None, sync: bool = False) -> Any:
         """Delete rows ``(key, disk block)`` (only where both match), insert (or replace) rows
         ``(key, disk block, crc32c, use)``, set the use number of keys ``(use, key)``, in one
         transaction, after an ``fdatasync`` of the block file if ``sync``. Returns a future of the
@@ -162,7 +163,7 @@ class Index:
         if self._closed:
             fut.set_exception(EngineClosedError("the store's index is closed"))
             return fut
-        self._put(_Request(None, fut, deletes, inserts, touches, sync))
+        self._put(_Request(None, fut, deletes or [], inserts or [], touches or [], sync))
         return fut
 
     async def close(self, deletes: list[tuple[bytes, int]], touches: list[tuple[int, bytes]]) -> None:
@@ -173,7 +174,7 @@ class Index:
             return
         failure: BaseException | None = None
         if deletes or touches:
-            last = self.write(deletes, [], touches)
+            last = self.write(deletes=deletes, touches=touches)
             await self._svc.wait_through_cancellation(last)
             failure = last.exception()
         self._closed = True
