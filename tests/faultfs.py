@@ -1,8 +1,17 @@
-"""A small in-memory FUSE filesystem that fails reads or writes with EIO at chosen byte ranges.
+"""A small in-memory FUSE filesystem that fails reads or writes with EIO at chosen byte ranges,
+and can lose the writes no fsync made durable, as a power loss does.
 
 Real faults, not mocks: the engine's reads and writes go through the kernel (io_uring → FUSE → this
 process), and the error the engine sees is the one the kernel returns. Needs root, /dev/fuse and
 libfuse3 (``mfusepy``); the fixture skips with the reason when any is missing.
+
+Power loss (``FaultState.volatile``): every file keeps, beside what reads see, its *durable*
+bytes, which an ``fsync``/``fdatasync`` of the file (the FUSE fsync request) brings up to date.
+``freeze()`` makes every later change fail (EIO), as if the power went at that instant;
+``power_cut(rng)`` then rebuilds each file from its durable bytes plus a random part of the
+writes made since its last sync: each 4 KiB piece of each such write (and each truncation) kept or
+lost independently, as a disk's volatile cache may reorder and drop them. Not modelled: directory
+entries (a file once created stays, synced or not) and sub-page tearing.
 """
 
 from __future__ import annotations
@@ -30,6 +39,25 @@ class FaultState:
         self.slow_writes: list[tuple[int, int, float]] = []
         self.once_reads: list[list[Any]] = []  # [start, end, seconds, requests left]
         self.once_writes: list[list[Any]] = []
+        self.volatile = False  # keep the writes since each file's last sync apart (power loss)
+        self.frozen = False  # every change fails (EIO): the power went
+        self.syncs = 0  # fsync requests served
+        self.sync_delay = 0.0  # seconds each fsync takes (a disk's cache flush), before it makes anything durable
+        self.cut: Any = None  # set by the filesystem: rebuilds the files as after a power loss
+
+    def freeze(self) -> None:
+        """From now on every write, truncation, creation and sync fails with EIO."""
+        with self._mutex:
+            self.frozen = True
+
+    def power_cut(self, rng: Any, keep: float = 0.5) -> int:
+        """Lose a random part of every file's unsynced writes (see the module docstring; each
+        piece is kept with probability ``keep``), then thaw; returns how many pieces were lost."""
+        assert self.frozen, "freeze() first: nothing may change while the files are rebuilt"
+        lost = int(self.cut(rng, keep))
+        with self._mutex:
+            self.frozen = False
+        return lost
 
     def fail_reads(self, start: int, length: int) -> None:
         with self._mutex:
@@ -89,8 +117,54 @@ def _operations(state: FaultState) -> Any:
         def __init__(self) -> None:
             self.files: dict[str, bytearray] = {}
             self.modes: dict[str, int] = {}
+            self.durable: dict[str, bytearray] = {}  # (volatile) the bytes as of the file's last sync
+            self.unsynced: dict[str, list[tuple[int, bytes | None]]] = {}  # writes (offset, data) and
+            # truncations (length, None) since then, in order
             self._mutex = threading.Lock()
             self.now = time.time_ns()
+
+        def _change(self) -> None:
+            if state.frozen:
+                raise mfusepy.FuseOSError(errno.EIO)
+
+        def fsync(self, path: str, datasync: int, fh: Any) -> int:
+            self._change()
+            if state.sync_delay:
+                time.sleep(state.sync_delay)
+                self._change()
+            with self._mutex:
+                state.syncs += 1
+                if path in self.files:
+                    self.durable[path] = bytearray(self.files[path])
+                    self.unsynced[path] = []
+            return 0
+
+        def power_cut(self, rng: Any, keep: float) -> int:
+            lost = 0
+            with self._mutex:
+                for path in list(self.files):
+                    content = bytearray(self.durable.get(path, b""))
+                    for where, data in self.unsynced.get(path, []):
+                        if data is None:
+                            if rng.random() < keep:
+                                del content[where:]
+                                content.extend(bytes(where - len(content)))
+                            else:
+                                lost += 1
+                            continue
+                        for start in range(0, len(data), 4096):
+                            if rng.random() >= keep:
+                                lost += 1
+                                continue
+                            piece = data[start:start + 4096]
+                            end = where + start + len(piece)
+                            if len(content) < end:
+                                content.extend(bytes(end - len(content)))
+                            content[where + start:end] = piece
+                    self.files[path] = content
+                    self.durable[path] = bytearray(content)
+                    self.unsynced[path] = []
+            return lost
 
         def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
             base = {"st_uid": 0, "st_gid": 0, "st_atime": self.now, "st_mtime": self.now, "st_ctime": self.now}
@@ -106,9 +180,11 @@ def _operations(state: FaultState) -> Any:
             return [".", "..", *(name[1:] for name in self.files)]
 
         def create(self, path: str, mode: int, fi: Any = None) -> int:
+            self._change()
             with self._mutex:
                 self.files[path] = bytearray()
                 self.modes[path] = mode & 0o7777
+                self.unsynced[path] = []
             return 0
 
         def open(self, path: str, flags: int) -> int:
@@ -125,23 +201,32 @@ def _operations(state: FaultState) -> Any:
             state.pause(state.slow_writes, offset, len(data), state.once_writes)
             if state.hits(state.bad_writes, offset, len(data)):
                 raise mfusepy.FuseOSError(errno.EIO)
+            self._change()
             with self._mutex:
                 buf = self.files[path]
                 if len(buf) < offset + len(data):
                     buf.extend(bytes(offset + len(data) - len(buf)))
                 buf[offset:offset + len(data)] = data
+                if state.volatile:
+                    self.unsynced.setdefault(path, []).append((offset, bytes(data)))
             return len(data)
 
         def truncate(self, path: str, length: int, fh: Any = None) -> None:
+            self._change()
             with self._mutex:
                 buf = self.files[path]
                 del buf[length:]
                 buf.extend(bytes(length - len(buf)))
+                if state.volatile:
+                    self.unsynced.setdefault(path, []).append((length, None))
 
         def unlink(self, path: str) -> None:
+            self._change()
             with self._mutex:
                 self.files.pop(path, None)
                 self.modes.pop(path, None)
+                self.durable.pop(path, None)
+                self.unsynced.pop(path, None)
 
         def rename(self, old: str, new: str) -> None:
             # FUSE's own way to keep an open file that was unlinked (the engine's block file is):
@@ -151,6 +236,9 @@ def _operations(state: FaultState) -> Any:
                     raise mfusepy.FuseOSError(errno.ENOENT)
                 self.files[new] = self.files.pop(old)
                 self.modes[new] = self.modes.pop(old)
+                if old in self.durable:
+                    self.durable[new] = self.durable.pop(old)
+                self.unsynced[new] = self.unsynced.pop(old, [])
 
         def chmod(self, path: str, mode: int) -> None:
             with self._mutex:
@@ -171,6 +259,7 @@ def mounted(mountpoint: Path, watchdog_seconds: float = WATCHDOG_SECONDS) -> Ite
 
     state = FaultState()
     ops = _operations(state)
+    state.cut = ops.power_cut
     failure: list[BaseException] = []
 
     def serve() -> None:

@@ -132,3 +132,64 @@ def test_buffered_on_request(tmp_path: Path) -> None:
     f = BlockFile(tmp_path / "kv.bin", 100, 4, direct=False)
     assert not f.direct and f.reason == "buffered I/O requested"
     f.close()
+
+
+def test_a_kept_file_is_the_path_itself_0600_and_stays_after_close(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    old = os.umask(0)
+    try:
+        f = BlockFile(path, 5000, 4, keep=True)
+    finally:
+        os.umask(old)
+    assert f.created and f.naming == f"kept at {path}" and f.named is None
+    st = os.fstat(f.fd)
+    assert os.path.samestat(st, os.stat(path)) and stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_size == 4 * f.stride and os.listdir(tmp_path) == ["kv.bin"]  # no probe file left
+    f.close()
+    assert path.exists()
+
+
+def test_reopening_a_kept_file_keeps_its_bytes_and_never_shrinks_it(tmp_path: Path) -> None:
+    """The O_DIRECT probe runs on a scratch file: a kept file's first block is data. Mutation
+    tried: probing on the kept file itself (the probe truncated it: its blocks were gone)."""
+    path = tmp_path / "kv.bin"
+    f = BlockFile(path, 4096, 8, keep=True)
+    stride = f.stride
+    f.close()
+    with path.open("r+b") as data:
+        data.write(b"block zero")
+    again = BlockFile(path, 4096, 2, keep=True)  # (probing O_DIRECT where the filesystem has it)
+    assert not again.created and os.fstat(again.fd).st_size == 8 * stride
+    again.close()
+    assert path.read_bytes()[:10] == b"block zero"
+    grown = BlockFile(path, 4096, 16, keep=True)
+    assert os.fstat(grown.fd).st_size == 16 * stride
+    grown.close()
+    assert path.read_bytes()[:10] == b"block zero"
+
+
+def test_a_kept_file_is_locked_and_refused_when_shared_or_foreign(tmp_path: Path) -> None:
+    path = tmp_path / "kv.bin"
+    f = BlockFile(path, 4096, 4, keep=True)
+    with pytest.raises(OSError, match="in use by another process"):
+        BlockFile(path, 4096, 4, keep=True)
+    f.close()
+    path.chmod(0o640)
+    with pytest.raises(PermissionError, match="mode 0640"):
+        BlockFile(path, 4096, 4, keep=True)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(OSError):
+        BlockFile(path, 4096, 4, keep=True)
+    path.rmdir()
+    (tmp_path / "target").write_bytes(b"")
+    path.symlink_to(tmp_path / "target")
+    with pytest.raises(OSError, match="symbolic link"):
+        BlockFile(path, 4096, 4, keep=True)
+
+
+def test_a_kept_file_made_for_nothing_is_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_module, "_probe_io", _einval)
+    with pytest.raises(OSError, match="O_DIRECT requested but unusable"):
+        BlockFile(tmp_path / "kv.bin", 4096, 4, direct=True, keep=True)
+    assert os.listdir(tmp_path) == []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_store import fill_keys, key
 
-from uring_kv import EngineClosedError, KeyIOError, KeyMissingError, SyncBlockStore
+from uring_kv import BlockStore, EngineClosedError, KeyIOError, KeyMissingError, SyncBlockStore
 from uring_kv.errors import NO_ROOM
 from uring_kv.sync import LoopThread
 from uring_kv.testing import id_caches, identify
@@ -146,7 +146,7 @@ def test_close_finishes_the_calls_in_flight_and_refuses_later_ones(tmp_path: Pat
         assert future.exception() is None
     assert [identify(caches, 16 + i) for i in range(4)] == [(i, 1, True) for i in range(4)]
     assert store.closed and not store.thread.is_alive()
-    assert store.store.closed and store.store.engine.file.closed
+    assert isinstance(store.store, BlockStore) and store.store.closed and store.store.engine.file.closed
     with pytest.raises(EngineClosedError):
         store.submit_put([key(9)], [9])
     with pytest.raises(EngineClosedError):

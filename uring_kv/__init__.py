@@ -5,14 +5,17 @@ from uring_kv._tuning import Tuning
 from uring_kv.errors import (
     BlockIOError,
     EngineClosedError,
+    GeometryMismatchError,
     KeyIOError,
     KeyMissingError,
     UringKVError,
     UringUnavailable,
 )
 from uring_kv.store import BlockStore
+from uring_kv.striped import StripedBlockStore
 from uring_kv.sync import SyncBlockStore
 
-__all__ = ["BlockIOError", "BlockStore", "Engine", "EngineClosedError", "KeyIOError", "KeyMissingError",
-           "SyncBlockStore", "TransferHandle", "Tuning", "UringKVError", "UringUnavailable"]
+__all__ = ["BlockIOError", "BlockStore", "Engine", "EngineClosedError", "GeometryMismatchError", "KeyIOError",
+           "KeyMissingError", "StripedBlockStore", "SyncBlockStore", "TransferHandle", "Tuning", "UringKVError",
+           "UringUnavailable"]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ called before it still reads. One registration path serves every batch, whicheve
 from __future__ import annotations
 
 import errno
+from collections.abc import Mapping
 from typing import Any
 
 from uring_kv._native import bitmap, mark
@@ -107,6 +108,14 @@ class Contents:
         if failed := self.failed:  # its entries hold for blocks whose bit is clear: drop the rest
             for d in [d for d in failed if self.holds(d)]:
                 del failed[d]
+
+    def adopt(self, sums: Mapping[int, int]) -> None:
+        """Trust the bytes of ``sums``' blocks (a previous engine wrote them), each with its crc32c."""
+        stored, failed = self.stored, self.failed
+        for d, crc in sums.items():
+            stored[d >> 6] |= 1 << (d & 63)
+            failed.pop(d, None)
+            self.sums[d] = crc
 
     def unstore(self, d: int, code: int) -> None:
         """A store to ``d`` failed with ``code``: its bytes are not to be trusted any more."""

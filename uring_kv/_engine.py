@@ -15,7 +15,7 @@ import functools
 import os
 import warnings
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 from uring_kv._args import check_call, check_disk_size, index_bytes, normalise_caches
@@ -65,11 +65,16 @@ class Engine(OpenClose):
     ``tuning``: a :class:`Tuning` (default: ``Tuning.from_env()``, read here, once).
     ``checksum``: keep a crc32c of every block written and verify it on load; a mismatch fails the
     block with ``EBADMSG``. Sums live in memory, like the file itself, for the engine's lifetime.
+    ``keep_file``: the file is ``path`` itself, opened if it exists (a regular file of this user,
+    mode 0600, not a symlink) or created 0600, locked against other processes, never shrunk, and
+    kept at close: the persistent store's file (:class:`uring_kv.BlockStore` ``persistent=True``).
+    Its blocks are trusted only once :meth:`adopt` names them.
     """
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
                  *, direct: bool | None = None, io: str | None = None, copy_delay: float = 0.0,
-                 checksum: bool = False, io_depth: int | None = None, tuning: Tuning | None = None) -> None:
+                 checksum: bool = False, io_depth: int | None = None, tuning: Tuning | None = None,
+                 keep_file: bool = False) -> None:
         if isinstance(num_disk_blocks, bool) or not isinstance(num_disk_blocks, int) or num_disk_blocks < 1:
             raise ValueError(f"num_disk_blocks must be a positive integer, got {num_disk_blocks!r}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -117,6 +122,7 @@ class Engine(OpenClose):
             except ImportError as exc:
                 raise ImportError("checksum=True needs the crc32c package (pip install crc32c)") from exc
         self.checksum = checksum
+        self.keep_file = keep_file
         self._state = "new"
         self._open_done: Any = None  # futures: open() finished (however), the closing finished
         self._close_done: Any = None
@@ -156,7 +162,7 @@ class Engine(OpenClose):
     def _open_file(self, prepare: Callable[[], None] | None) -> BlockFile:
         """On a worker thread: create the file and, in GPU mode, build the staged-copy kernel (the
         NVRTC compile would otherwise stall the loop the first time an engine opens on a device)."""
-        file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct)
+        file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct, self.keep_file)
         if prepare is not None:
             with contextlib.suppress(Exception):  # tried again by the copier, which says what failed
                 prepare()
@@ -391,6 +397,26 @@ class Engine(OpenClose):
         waits for the writes."""
         return await self._drive(await self._admit(Kind.STORE, disk_blocks, gpu_blocks, after, not self.gpu),
                                  wait=False)
+
+    def adopt(self, sums: Mapping[int, int]) -> None:
+        """Trust disk block ``d`` of a kept file (``keep_file=True``) to hold what an earlier engine
+        stored there, whose crc32c was ``sums[d]``: loads of it then succeed, each verified
+        (``checksum=True`` is required), a mismatch failing the block with ``EBADMSG``. Only before
+        the first transfer."""
+        if not self.keep_file or not self.checksum:
+            raise ValueError("adopt() needs an engine with keep_file=True and checksum=True")
+        if self._state not in ("new", "open") or self._batches.active or self._hazards:
+            raise RuntimeError(f"adopt() is for an engine with no transfer yet (engine is {self._state})")
+        for d in sums:
+            if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < self.num_disk_blocks:
+                raise ValueError(f"adopt(): disk block {d!r} is out of range [0, {self.num_disk_blocks})")
+        self._contents.adopt(sums)
+
+    def block_sums(self, disk_blocks: Sequence[int]) -> list[int | None]:
+        """The crc32c of each block as last stored (``checksum=True``); None for a block that holds
+        nothing to trust (never stored, its last store failed, or it could not be summed)."""
+        contents = self._contents
+        return [contents.sums.get(d) if contents.holds(d) else None for d in disk_blocks]
 
     # ----------------------------------------------------------------- admission
     # A call's hazards are registered in call order, all of them before any later call's: a load

@@ -1,21 +1,32 @@
 """The block file: secure creation, O_DIRECT probing, alignment, layout, removal.
 
-The file may hold user prompts (KV blocks), so it never has a name another process could open, and
-nothing of it outlives the process, even under SIGKILL: it is made unnamed (``O_TMPFILE|O_EXCL`` in
-the directory of ``path``, mode 0600: it can never be linked into the tree), or, where the filesystem
-lacks O_TMPFILE, created under a fresh random name beside ``path`` (``O_CREAT|O_EXCL|O_NOFOLLOW``,
-0600) and unlinked at once, before any block is written; the fd keeps it. Only where even that
-unlink fails is the file left named (``named`` says so) and removed when the engine closes.
-O_DIRECT is probed with a real aligned write and read:
-some filesystems accept the flag at ``open`` and fail the first I/O (overlayfs, FUSE, some NFS).
-This module does blocking syscalls: call it off the event loop (the engine uses ``to_thread``).
+The file may hold user prompts (KV blocks), so by default it never has a name another process could
+open, and nothing of it outlives the process, even under SIGKILL: it is made unnamed
+(``O_TMPFILE|O_EXCL`` in the directory of ``path``, mode 0600: it can never be linked into the
+tree), or, where the filesystem lacks O_TMPFILE, created under a fresh random name beside ``path``
+(``O_CREAT|O_EXCL|O_NOFOLLOW``, 0600) and unlinked at once, before any block is written; the fd
+keeps it. Only where even that unlink fails is the file left named (``named`` says so) and removed
+when the engine closes.
+
+A *kept* file (``keep=True``, a persistent store's) is ``path`` itself: opened if it exists, created
+otherwise, and left in place at close. It is refused unless it is a regular file (never through a
+symlink), owned by this process's user, with no access for group or others; it is created 0600,
+locked with ``flock`` against a second process, and never shrunk (its bytes are blocks someone may
+still index).
+
+O_DIRECT is probed with a real aligned write and read (on a scratch unnamed file beside a kept
+file, whose bytes must not be touched): some filesystems accept the flag at ``open`` and fail the
+first I/O (overlayfs, FUSE, some NFS). This module does blocking syscalls: call it off the event
+loop (the engine uses ``to_thread``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -52,11 +63,20 @@ class BlockFile:
     """A file of ``num_blocks`` blocks, each ``block_bytes`` padded to the DIO alignment."""
 
     def __init__(self, path: str | os.PathLike[str], block_bytes: int, num_blocks: int,
-                 direct: bool | None = None) -> None:
-        """``direct``: True requires O_DIRECT, False never uses it, None probes and falls back."""
+                 direct: bool | None = None, keep: bool = False) -> None:
+        """``direct``: True requires O_DIRECT, False never uses it, None probes and falls back.
+        ``keep``: the file is ``path`` itself, kept at close (see the module docstring); ``created``
+        then says whether it was made now (False: it existed, and its bytes are as they were)."""
         self.path = os.path.abspath(os.fspath(path))
-        # ``named``: the file's name while it keeps one (only where the unlink failed), else None
-        self.fd, self.naming, self.named = _create_unnamed(self.path)
+        self.keep = keep
+        self.created = False
+        self._lock_fd = -1  # a kept file's lock: an fd of its own (a ring's registered file outlives close)
+        if keep:
+            self.fd, self._lock_fd, self.created = _open_kept(self.path)
+            self.naming, self.named = f"kept at {self.path}", None
+        else:
+            # ``named``: the file's name while it keeps one (only where the unlink failed), else None
+            self.fd, self.naming, self.named = _create_unnamed(self.path)
         try:
             st = os.fstat(self.fd)
             self._identity = (st.st_dev, st.st_ino)
@@ -75,32 +95,38 @@ class BlockFile:
                 if direct and not self.direct:
                     raise OSError(errno.EINVAL, f"O_DIRECT requested but unusable on {self.path}: {self.reason}")
             try:
-                os.ftruncate(self.fd, self.stride * num_blocks)
+                size = self.stride * num_blocks
+                if not keep or os.fstat(self.fd).st_size < size:  # a kept file only grows
+                    os.ftruncate(self.fd, size)
             except (OverflowError, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno not in (errno.EFBIG, errno.EINVAL):
                     raise
                 raise ValueError(f"num_disk_blocks={num_blocks}: a file of {num_blocks} × {self.stride} bytes "
                                  f"is larger than the filesystem of {os.path.dirname(self.path)} allows") from None
         except BaseException:
+            if self.created:  # made for nothing: leave no empty file behind
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             self._remove()
             raise
 
     def _try_direct(self) -> tuple[bool, str]:
-        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        if not self.keep:
+            return _probe_direct(self.fd, self.alignment)
+        scratch, _, name = _create_unnamed(self.path)  # same directory, so the same filesystem
         try:
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-        except OSError as exc:
-            return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})"
-        probe = HostBuffer(round_up(self.alignment, 4096))
-        try:
-            _probe_io(self.fd, probe, self.alignment)
-        except OSError as exc:
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags)
-            return False, f"O_DIRECT probe I/O failed ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+            usable, reason = _probe_direct(scratch, self.alignment)
         finally:
-            probe.close()
-            os.ftruncate(self.fd, 0)  # the probe's bytes are not block data
-        return True, ""
+            os.close(scratch)
+            if name is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+        if usable:
+            try:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
+            except OSError as exc:
+                return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})"
+        return usable, reason
 
     @property
     def report(self) -> FileReport:
@@ -129,6 +155,9 @@ class BlockFile:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
     def close(self) -> None:
         """Close (and so free) the file. Call only once no I/O on the fd is in flight (else the fd
@@ -139,6 +168,87 @@ class BlockFile:
     @property
     def closed(self) -> bool:
         return self.fd < 0
+
+
+def _probe_direct(fd: int, alignment: int) -> tuple[bool, str]:
+    """Turn O_DIRECT on for ``fd`` (an empty file) if a real aligned write and read work with it;
+    the file is left empty."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError as exc:
+        return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})"
+    probe = HostBuffer(round_up(alignment, 4096))
+    try:
+        _probe_io(fd, probe, alignment)
+    except OSError as exc:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return False, f"O_DIRECT probe I/O failed ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+    finally:
+        probe.close()
+        os.ftruncate(fd, 0)  # the probe's bytes are not block data
+    return True, ""
+
+
+def _open_kept(path: str) -> tuple[int, int, bool]:
+    """An fd of the kept file at ``path`` (made now, 0600, or an existing one that passes the
+    checks of the module docstring), an fd holding its lock, and whether it was made now.
+
+    The lock has an open file of its own: an io_uring ring keeps a reference to the files
+    registered with it until its teardown ends in the kernel, after the engine has closed, and a
+    lock taken through the registered fd would outlive the engine by that much."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    created = True
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        created = False
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, f"{path} is a symbolic link; a kept block file must not be one") from None
+            raise
+    lock_fd = -1
+    try:
+        check_private(fd, path)
+        if created:
+            os.fchmod(fd, 0o600)  # (a umask may have narrowed it further)
+        lock_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if not os.path.samestat(os.fstat(lock_fd), os.fstat(fd)):
+            raise OSError(errno.EAGAIN, f"{path} was replaced while it was being opened")
+        lock(lock_fd, path)
+    except BaseException:
+        os.close(fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        if created:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    return fd, lock_fd, created
+
+
+def check_private(fd: int, path: str) -> None:
+    """Refuse ``fd`` unless it is a regular file of this process's user that group and others
+    cannot access (it holds KV blocks, or the index of a persistent store)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(errno.EPERM, f"{path} belongs to uid {st.st_uid}, not to this process's user "
+                              f"(uid {os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise PermissionError(errno.EPERM, f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: other users may "
+                              "read it; it must be 0600")
+
+
+def lock(fd: int, path: str) -> None:
+    """An exclusive ``flock`` on ``fd``, or an error saying another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise OSError(errno.EBUSY, f"{path} is in use by another process (locked)") from None
 
 
 def _create_unnamed(path: str) -> tuple[int, str, str | None]:

@@ -94,6 +94,11 @@ class LoopServices(ABC):
         cancellation is raised, ``cleanup`` gets the result that nobody will receive."""
 
     @abstractmethod
+    async def gather(self, coros: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
+        """Run ``coros`` at once, each to its end; their results in order, or the first error once
+        all have ended. Cancelled, it cancels them all and returns (raising) once they have ended."""
+
+    @abstractmethod
     async def sleep(self, seconds: float) -> None: ...
 
     @abstractmethod
@@ -200,6 +205,21 @@ class AsyncioServices(LoopServices):
             if cleanup is not None and not fut.cancelled() and fut.exception() is None:
                 cleanup(fut.result())
             raise
+
+    async def gather(self, coros: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
+        tasks = [self.loop.create_task(coro) for coro in coros]
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                await self.wait_through_cancellation(task)
+            raise
+        for task in tasks:
+            if (error := task.exception()) is not None:
+                raise error
+        return [task.result() for task in tasks]
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -388,6 +408,24 @@ class TrioServices(LoopServices):
             result = await coro
         await self._trio.lowlevel.checkpoint_if_cancelled()
         return result
+
+    async def gather(self, coros: Sequence[Coroutine[Any, Any, Any]]) -> list[Any]:
+        results: list[Any] = [None] * len(coros)
+        errors: list[BaseException | None] = [None] * len(coros)
+
+        async def one(position: int, coro: Coroutine[Any, Any, Any]) -> None:
+            try:
+                results[position] = await coro
+            except Exception as exc:  # kept, so that the nursery does not cancel the others
+                errors[position] = exc
+
+        async with self._trio.open_nursery() as nursery:
+            for position, coro in enumerate(coros):
+                nursery.start_soon(one, position, coro)
+        for error in errors:
+            if error is not None:
+                raise error
+        return results
 
     async def sleep(self, seconds: float) -> None:
         await self._trio.sleep(seconds)

@@ -18,6 +18,12 @@ class EngineClosedError(UringKVError, RuntimeError):
     """The engine was closed (or is closing) and accepts no more work."""
 
 
+class GeometryMismatchError(UringKVError, ValueError):
+    """A persistent store's files were written for other caches or another model than the store
+    being opened (the message names the first difference): they are left untouched, and their
+    bytes are never read as this store's blocks."""
+
+
 class BlockIOError(UringKVError, OSError):
     """One or more disk blocks of a batch failed. ``failures`` maps disk block → errno.
 

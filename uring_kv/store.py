@@ -26,11 +26,21 @@ Some facts about frameworks' KV caches, and what follows for the store:
   separated from its bookkeeping by an ``await``. The index is an OrderedDict: lookup, touch and
   eviction of the oldest are O(1). A lookup from another thread is one dict membership test per
   key, atomic under the GIL, so those three may be called from any thread (see ``uring_kv.sync``).
+* A persistent store (``persistent=True``) keeps the file at ``path`` and an SQLite index beside it
+  (``_index.py``), which the in-memory index follows: a key becomes visible once its row is
+  committed, after its write (and, with ``fsync``, after an fdatasync). A block that leaves a key
+  (evicted, or its load failed) is *doomed*: its row's deletion goes to the index with the next
+  put, and no write may touch the block before that deletion is committed (``_clearing``). Should
+  the deletion fail, the block is never used again in this run (``_lost``): the row may still
+  name it. Every block carries a crc32c (the engine's ``checksum=True``), kept in its row and
+  checked on every load, the first after a reopen included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import operator
 import os
 from collections import OrderedDict
@@ -41,12 +51,29 @@ from typing import Any
 from uring_kv._args import normalise_caches
 from uring_kv._engine import Engine
 from uring_kv._file import round_up
+from uring_kv._index import FORMAT, Index, failure_errno
 from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
 
 # capacity_bytes counts each block padded to this, the largest I/O alignment usual today: the file
 # (blocks padded to the real alignment, known only once it is open) then fits in capacity_bytes.
 PAD_FOR_CAPACITY = 4096
+
+
+def capacity_in_blocks(caches: Any, capacity_blocks: int | None, capacity_bytes: int | None) -> int:
+    """The capacity given as ``capacity_blocks`` or as ``capacity_bytes`` (one of them), in blocks."""
+    if (capacity_blocks is None) == (capacity_bytes is None):
+        raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
+    if capacity_bytes is not None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        _, tensors = normalise_caches(caches)
+        padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
+        capacity_blocks = capacity_bytes // padded
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
+    assert capacity_blocks is not None
+    return capacity_blocks
 
 
 @dataclass(eq=False, slots=True)
@@ -66,8 +93,20 @@ class BlockStore(OpenClose):
     ``checksum``, ``io_depth``) go to the :class:`Engine` underneath (``store.engine``). Give the
     size as ``capacity_blocks``, or as ``capacity_bytes`` (each block counted padded to 4 KiB). The
     file is sized for the capacity at ``open()`` and no more blocks are ever used; the index takes
-    memory per key held, so memory is bounded by the capacity too. Nothing outlives the store:
-    the file has no name, and closing forgets every key.
+    memory per key held, so memory is bounded by the capacity too. By default nothing outlives the
+    store: the file has no name, and closing forgets every key.
+
+    ``persistent=True`` keeps the keys across restarts: the file is ``path`` itself and its index
+    an SQLite database at ``path + ".index"`` (both 0600, locked against a second process, kept at
+    close). Reopened with the same geometry (the caches' names, dtypes and block shapes, and
+    ``fingerprint``, a string naming whatever else decides a block's bytes: the model and its
+    revision, the KV dtype, the tensor-parallel rank), the store serves the keys it held; with
+    another, ``open()`` raises :class:`GeometryMismatchError` and leaves the files alone. A key
+    becomes visible once its bytes are written and its row committed; with ``fsync=True`` (the
+    default) the block file is fdatasync'ed before the commit, and every commit is synced, so a
+    key a put returned survives a power loss; with ``fsync=False`` it survives the process being
+    killed, not a power loss. Every block is checked against its crc32c on load (``checksum`` is
+    on): a block that fails is a miss. See ``docs/persistence.md``.
 
     Use as ``async with BlockStore(...) as store`` (or ``open()`` … ``aclose()``) on one event loop
     (asyncio, or trio); :class:`uring_kv.SyncBlockStore` runs one for threads.
@@ -84,18 +123,19 @@ class BlockStore(OpenClose):
     """
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], capacity_blocks: int | None = None,
-                 num_slots: int = 16, *, capacity_bytes: int | None = None, **engine_options: Any) -> None:
-        if (capacity_blocks is None) == (capacity_bytes is None):
-            raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
-        if capacity_bytes is not None:
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
-                raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
-            _, tensors = normalise_caches(caches)
-            padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
-            capacity_blocks = capacity_bytes // padded
-            if capacity_blocks < 1:
-                raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
-        assert capacity_blocks is not None
+                 num_slots: int = 16, *, capacity_bytes: int | None = None, persistent: bool = False,
+                 fingerprint: str = "", fsync: bool | None = None, **engine_options: Any) -> None:
+        if "keep_file" in engine_options:
+            raise TypeError("BlockStore keeps its file with persistent=True (keep_file is the engine's)")
+        if not isinstance(fingerprint, str):
+            raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+        if not persistent and (fingerprint or fsync is not None):
+            raise ValueError("fingerprint= and fsync= apply to a persistent store (persistent=True)")
+        if persistent:
+            if engine_options.get("checksum") is False:
+                raise ValueError("a persistent store checks every block's crc32c: checksum=False is refused")
+            engine_options.update(checksum=True, keep_file=True)
+        capacity_blocks = capacity_in_blocks(caches, capacity_blocks, capacity_bytes)
         self.engine = Engine(caches, path, capacity_blocks, num_slots, **engine_options)  # checks the rest
         self.capacity = capacity_blocks
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # visible keys, least recently used first
@@ -109,6 +149,22 @@ class BlockStore(OpenClose):
         self._svc: LoopServices | None = None
         self._state = "new"
         self._counts = {"evictions": 0, "store_failures": 0, "load_failures": 0, "no_room": 0}
+        # persistence (see the module docstring); all unused without it
+        self._db: Index | None = None
+        self.persistent = persistent
+        self.fsync = persistent and fsync is not False
+        self.fingerprint = fingerprint
+        self._doomed: list[tuple[bytes, int]] = []  # (key, disk block) rows to delete before the block is reused
+        self._clearing: dict[int, Any] = {}  # disk block → the future of its old row's deletion
+        self._lost: set[int] = set()  # blocks whose old row could not be deleted: never reused
+        self._touched: dict[bytes, int] = {}  # key → its last use, not yet in the index
+        self._clock = 0  # the next use number
+        if persistent:
+            self._counts.update(restored=0, index_failures=0)
+            names, tensors = normalise_caches(caches)  # each tensor's name, dtype, block shape and bytes
+            self._layout = [[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:]),
+                             t.numel() // t.shape[0] * t.element_size()]
+                            for name, t in zip(names, tensors, strict=True)]
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> BlockStore:
@@ -118,13 +174,49 @@ class BlockStore(OpenClose):
         self._state = "opening"
         self._svc = current_services()
         try:
-            await self.engine.open()
+            if self.persistent:
+                await self._open_kept(self._svc)
+            else:
+                await self.engine.open()
         except BaseException:
             self._state = "closed"
             raise
         if self._state == "opening":  # (not if aclose() began meanwhile)
             self._state = "open"
         return self
+
+    async def _open_kept(self, svc: LoopServices) -> None:
+        """Open the index (its geometry checked before the block file is touched), then the engine
+        on the kept file, then take the index's keys in, LRU order and all."""
+        engine = self.engine
+        db = self._db = Index(engine.path + ".index", engine.path, self.fsync, svc)
+        try:
+            await db.open(self._geometry())
+            await engine.open()
+            restored = await db.restore(engine.file.fd, engine.file.stride, self.capacity, engine.file.created)
+            engine.adopt({disk_block: crc for _, disk_block, crc in restored.rows})
+        except BaseException:
+            await svc.run_to_completion(self._abandon(db))
+            raise
+        index, used = self._index, set()
+        for key, disk_block, _ in restored.rows:
+            index[key] = _Entry(key, disk_block)
+            used.add(disk_block)
+        self._fresh = max(used) + 1 if used else 0
+        self._free = [disk_block for disk_block in range(self._fresh - 1, -1, -1) if disk_block not in used]
+        self._clock = restored.clock
+        self._counts["restored"] = len(restored.rows)
+
+    async def _abandon(self, db: Index) -> None:
+        try:
+            await self.engine.aclose()
+        finally:
+            await db.close([], [])
+
+    def _geometry(self) -> dict[str, Any]:
+        """What decides how a block's bytes are read: checked against a persistent store's files."""
+        return {"format": FORMAT, "fingerprint": self.fingerprint, "tensors": self._layout,
+                "block_bytes": self.engine.block_bytes}
 
     async def aclose(self) -> None:
         """Refuse new calls, let those under way finish (their keys land or fail as usual), close
@@ -151,6 +243,12 @@ class BlockStore(OpenClose):
             while self._busy:  # their last step (index updates, pins) runs after their batches end
                 self._idle = svc.create_future()
                 await svc.wait_through_cancellation(self._idle)
+            if self._db is not None:
+                try:  # the last deletions and uses; the database is then closed
+                    await self._db.close(self._doomed, self._take_touches())
+                except Exception as exc:  # the files stay sound: a row kept names a block never reused
+                    svc.report(f"uring_kv BlockStore {self.engine.path}: saving its index at close failed", exc)
+                self._doomed = []
             for entry in self._index.values():
                 entry.readers = 0  # pins still held (see pin) end with the store
             self._index.clear()
@@ -182,10 +280,16 @@ class BlockStore(OpenClose):
     def stats(self) -> dict[str, int]:
         """Keys held, capacity and free blocks (in blocks), keys being written, keys pinned by gets,
         and counts since open: evictions, keys whose store failed, keys dropped by a failed load,
-        keys a put found no room for. Safe from any thread (the numbers may be mid-update)."""
-        return {"keys": len(self._index), "capacity_blocks": self.capacity,
-                "free_blocks": len(self._free) + self.capacity - self._fresh, "writing": len(self._writing),
-                "pinned": self._pinned, **self._counts}
+        keys a put found no room for; a persistent store adds the keys it found at open
+        (``restored``), the index writes that failed (``index_failures``) and the blocks kept out
+        of use until a restart because their old row could not be deleted (``lost_blocks``). Safe
+        from any thread (the numbers may be mid-update)."""
+        stats = {"keys": len(self._index), "capacity_blocks": self.capacity,
+                 "free_blocks": len(self._free) + self.capacity - self._fresh, "writing": len(self._writing),
+                 "pinned": self._pinned, **self._counts}
+        if self.persistent:
+            stats["lost_blocks"] = len(self._lost)
+        return stats
 
     # ----------------------------------------------------------------- transfers (the loop)
     async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
@@ -209,6 +313,8 @@ class BlockStore(OpenClose):
         for key, row in zip(key_list, row_list, strict=True):
             if key in index:
                 index.move_to_end(key)
+                if self._db is not None:
+                    self._use(key)
             elif (entry := self._writing.get(key)) is not None:
                 if entry.written is None:
                     entry.written = svc.create_future()
@@ -249,6 +355,8 @@ class BlockStore(OpenClose):
         entries = [index[key] for key in key_list]
         for entry in entries:
             index.move_to_end(entry.key)
+            if self._db is not None:
+                self._use(entry.key)
             if not entry.readers:
                 self._pinned += 1
             entry.readers += 1
@@ -316,6 +424,8 @@ class BlockStore(OpenClose):
     async def _write(self, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
         """Store the entries' rows to their blocks; make the written ones visible, free the
         others' blocks. The keys that failed, with their errno."""
+        if self._db is not None:
+            return await self._write_kept(self._db, writes, after)
         try:
             await self.engine.store_batch([row for _, row in writes], [entry.disk_block for entry, _ in writes],
                                           after)
@@ -326,13 +436,100 @@ class BlockStore(OpenClose):
             raise
         return self._settle(writes, {})
 
+    async def _write_kept(self, db: Index, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
+        """:meth:`_write` for a persistent store: the blocks' old rows deleted first, the new rows
+        committed (after a sync) before the keys become visible."""
+        svc = self._svc
+        assert svc is not None
+        self._flush_doomed()
+        clearing = {entry.disk_block: fut for entry, _ in writes
+                    if (fut := self._clearing.get(entry.disk_block)) is not None}
+        failed: dict[int, int] = {}
+        try:
+            for disk_block, fut in clearing.items():
+                await _quietly(svc, fut)
+                if fut.exception() is not None:
+                    self._lose(disk_block)
+                    failed[disk_block] = failure_errno(fut.exception())
+            todo = [(entry, row) for entry, row in writes if entry.disk_block not in failed]
+            if todo:
+                try:
+                    await self.engine.store_batch([row for _, row in todo], [entry.disk_block for entry, _ in todo],
+                                                  after)
+                except BlockIOError as exc:
+                    failed.update(exc.failures)
+        except BaseException:  # cancelled, or refused (closing): no block of it is vouched for
+            self._settle(writes, {entry.disk_block: errno.ECANCELED for entry, _ in writes})
+            raise
+        written = [entry for entry, _ in writes if entry.disk_block not in failed]
+        rows = []
+        for entry, crc in zip(written, self.engine.block_sums([entry.disk_block for entry in written]), strict=True):
+            if crc is None:  # could not be summed (reported by the engine): nothing to check it by later
+                failed[entry.disk_block] = errno.EIO
+            else:
+                rows.append((entry.key, entry.disk_block, crc, self._tick()))
+        if rows:
+            committed = db.write(inserts=rows, touches=self._take_touches(), sync=self.fsync)
+            try:
+                await _quietly(svc, committed)
+            except BaseException:  # cancelled: the rows may still land, so they go again before reuse
+                self._doomed += [(key, disk_block) for key, disk_block, _, _ in rows]
+                self._settle(writes, {entry.disk_block: errno.ECANCELED for entry, _ in writes})
+                raise
+            if (refusal := committed.exception()) is not None:
+                self._counts["index_failures"] += 1
+                self._doomed += [(key, disk_block) for key, disk_block, _, _ in rows]
+                failed.update({disk_block: failure_errno(refusal) for _, disk_block, _, _ in rows})
+        return self._settle(writes, failed)
+
+    def _flush_doomed(self) -> None:
+        """Send the doomed rows' deletion to the index; their blocks wait for it before reuse."""
+        if not self._doomed:
+            return
+        assert self._db is not None
+        doomed, self._doomed = self._doomed, []
+        fut = self._db.write(deletes=doomed, touches=self._take_touches())
+        blocks = [disk_block for _, disk_block in doomed]
+        for disk_block in blocks:
+            self._clearing[disk_block] = fut
+        fut.add_done_callback(functools.partial(self._cleared, blocks))
+
+    def _cleared(self, blocks: list[int], fut: Any) -> None:
+        failed = fut.exception() is not None
+        if failed:
+            self._counts["index_failures"] += 1
+        for disk_block in blocks:
+            if self._clearing.get(disk_block) is fut:
+                del self._clearing[disk_block]
+            if failed:
+                self._lose(disk_block)
+
+    def _lose(self, disk_block: int) -> None:
+        """A block whose old row may still be in the index: never used again in this run."""
+        if disk_block not in self._lost:
+            self._lost.add(disk_block)
+            if disk_block in self._free:
+                self._free.remove(disk_block)
+
+    def _use(self, key: bytes) -> None:
+        self._touched[key] = self._tick()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock - 1
+
+    def _take_touches(self) -> list[tuple[int, bytes]]:
+        touched, self._touched = self._touched, {}
+        return [(used, key) for key, used in touched.items()]
+
     def _settle(self, writes: list[tuple[_Entry, int]], failed: Mapping[int, int]) -> dict[bytes, int]:
         failures: dict[bytes, int] = {}
         for entry, _ in writes:
             del self._writing[entry.key]
             if code := failed.get(entry.disk_block, 0):
                 entry.error = failures[entry.key] = code
-                self._free.append(entry.disk_block)
+                if entry.disk_block not in self._lost:
+                    self._free.append(entry.disk_block)
             else:
                 self._index[entry.key] = entry
             if entry.written is not None:
@@ -344,7 +541,7 @@ class BlockStore(OpenClose):
         """A disk block for a new key: a free one, else the least recently used unpinned key's
         (evicted); None when every block is in flight."""
         if self._free:
-            return self._free.pop()
+            return self._free.pop()  # (never a lost block: _lose takes them out)
         if self._fresh < self.capacity:
             self._fresh += 1
             return self._fresh - 1
@@ -359,6 +556,9 @@ class BlockStore(OpenClose):
         del index[key]
         entry.gone = True
         self._counts["evictions"] += 1
+        if self._db is not None:
+            self._doomed.append((key, entry.disk_block))
+            self._touched.pop(key, None)
         return entry.disk_block
 
     def _drop(self, entry: _Entry) -> None:
@@ -367,6 +567,9 @@ class BlockStore(OpenClose):
             return
         entry.gone = True
         del self._index[entry.key]
+        if self._db is not None:
+            self._doomed.append((entry.key, entry.disk_block))
+            self._touched.pop(entry.key, None)
         if entry.readers:
             self._pinned -= 1  # (counts the index's entries only)
         else:
@@ -377,7 +580,8 @@ class BlockStore(OpenClose):
         if entry.readers:
             return
         if entry.gone:
-            self._free.append(entry.disk_block)  # the last reader of a dropped key gives its block back
+            if entry.disk_block not in self._lost:
+                self._free.append(entry.disk_block)  # the last reader of a dropped key gives its block back
         else:
             self._pinned -= 1
 
@@ -424,3 +628,10 @@ class BlockStore(OpenClose):
         if unique_keys and len(set(key_list)) != len(key_list):
             raise ValueError("a key appears twice in one put")
         return key_list, row_list
+
+
+async def _quietly(svc: LoopServices, fut: Any) -> None:
+    """Wait for ``fut`` without raising its error (the caller reads it); a cancellation still raises."""
+    if not fut.done():
+        with contextlib.suppress(Exception):  # (cancellations are BaseExceptions, under asyncio and trio)
+            await svc.wait(fut)

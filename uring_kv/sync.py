@@ -24,12 +24,13 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from uring_kv.errors import EngineClosedError
 from uring_kv.store import BlockStore
+from uring_kv.striped import StripedBlockStore
 
 T = TypeVar("T")
 
@@ -99,7 +100,8 @@ class LoopThread:
 class SyncBlockStore:
     """A :class:`uring_kv.BlockStore` on a private event-loop thread, callable from any thread.
 
-    Takes the arguments of :class:`BlockStore` and opens it before returning (raising what
+    Takes the arguments of :class:`BlockStore` (``path`` a list or tuple of paths: a
+    :class:`uring_kv.StripedBlockStore` over those files, one per drive) and opens it before returning (raising what
     ``open()`` raised, with no thread left behind). ``submit_put`` / ``submit_get`` never block:
     they return a ``concurrent.futures.Future`` whose result is None or whose exception is the one
     the store's call raised (:class:`KeyMissingError`, :class:`KeyIOError`, ...). Its callbacks run
@@ -111,10 +113,16 @@ class SyncBlockStore:
     (each future gets its result, or an error saying the store closed), closes the store (the file
     goes with it) and joins the thread. One thread per store."""
 
-    def __init__(self, caches: Any, path: str | os.PathLike[str], capacity_blocks: int | None = None,
-                 num_slots: int = 16, *, capacity_bytes: int | None = None, **engine_options: Any) -> None:
-        self.store = BlockStore(caches, path, capacity_blocks, num_slots, capacity_bytes=capacity_bytes,
-                                **engine_options)
+    def __init__(self, caches: Any, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                 capacity_blocks: int | None = None, num_slots: int = 16, *, capacity_bytes: int | None = None,
+                 **engine_options: Any) -> None:
+        self.store: BlockStore | StripedBlockStore
+        if isinstance(path, (list, tuple)):
+            self.store = StripedBlockStore(caches, path, capacity_blocks, num_slots, capacity_bytes=capacity_bytes,
+                                           **engine_options)
+        else:
+            self.store = BlockStore(caches, path, capacity_blocks, num_slots,  # type: ignore[arg-type]
+                                    capacity_bytes=capacity_bytes, **engine_options)
         self._lock = threading.Lock()  # held only to check-and-submit, never across a wait
         self._closing = False
         self._close_lock = threading.Lock()  # held through close(): a second close() waits for the first
@@ -221,7 +229,7 @@ class SyncBlockStore:
                                "use submit_put/submit_get there")
 
 
-def _close_abandoned(loop: LoopThread, store: BlockStore) -> None:
+def _close_abandoned(loop: LoopThread, store: BlockStore | StripedBlockStore) -> None:
     """A SyncBlockStore's finalizer: close its store and its thread, unless it runs on that thread
     (then the loop just stops once the thread is done with its current step)."""
     if loop.in_thread():

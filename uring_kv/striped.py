@@ -1,0 +1,199 @@
+"""Keys spread over several block files, one per drive: a :class:`BlockStore` per file, all on one
+event loop, each with its own engine (ring, staging slots, depth).
+
+It owns only the placement: which stripe (file) holds a key. It never moves a key between stripes,
+and never lets one stripe's failure touch another's keys.
+
+Some facts, and what follows here:
+
+* A serving node has several NVMe drives, and a drive's throughput needs its own queue depth. So
+  each file gets a whole engine, and a put or get splits its keys by stripe and runs the parts at
+  once (``LoopServices.gather``): a batch fans out across the drives, each stripe filling its own
+  ring. One ring for all files would share one depth and one slot pool among drives that complete
+  at their own pace.
+* Keys are content hashes, but nothing says which of their bytes are uniform: the stripe is the
+  blake2b of the key modulo the number of stripes. Placement is a pure function of the key and the
+  stripe count, so lookups (``contains``, ``lookup``) go straight to one stripe, from any thread,
+  and a persistent stripe set finds each key where it put it after a restart. Each persistent
+  stripe's fingerprint names its place ("stripe 2 of 4"), so paths reordered or added between runs
+  are refused (``GeometryMismatchError``) instead of looked up in the wrong file.
+* The capacity is split evenly and each stripe evicts its own least recently used key: with
+  uniform placement that is a sharded LRU, not one global order.
+* Failures stay per stripe: a drive that fails turns its keys into failures and misses
+  (``KeyIOError`` naming them), and the other stripes' keys of the same call land or load.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from uring_kv._loop import LoopServices, current_services
+from uring_kv.errors import KeyIOError, KeyMissingError, UringKVError
+from uring_kv.store import BlockStore, capacity_in_blocks
+
+
+class StripedBlockStore:
+    """Keys (bytes) → blocks spread over the files ``paths`` (one per drive), with
+    :class:`BlockStore`'s interface and guarantees per key.
+
+    ``capacity_blocks`` (or ``capacity_bytes``) is the total, split evenly (the first stripes take
+    one block more when it does not divide). ``num_slots`` and ``engine_options`` apply to each
+    stripe's engine (``stripes[i].engine``): pinned memory is ``len(paths)`` times a single store's.
+    ``persistent``, ``fingerprint`` and ``fsync``: as for :class:`BlockStore`, per file (each file
+    has its index beside it). A key's stripe is the blake2b of the key modulo ``len(paths)``.
+
+    A put or get runs its stripes' parts at once and raises one :class:`KeyIOError` naming every
+    key that failed, in any stripe; the others landed or loaded. ``get`` checks every key first
+    (:class:`KeyMissingError` before any I/O); a key evicted in the instant between that check and
+    its stripe's start fails with ``ENOENT`` in the :class:`KeyIOError` instead (its row
+    untouched)."""
+
+    def __init__(self, caches: Any, paths: Sequence[str | os.PathLike[str]], capacity_blocks: int | None = None,
+                 num_slots: int = 16, *, capacity_bytes: int | None = None, persistent: bool = False,
+                 fingerprint: str = "", fsync: bool | None = None, **engine_options: Any) -> None:
+        if isinstance(paths, (str, bytes, os.PathLike)):
+            raise TypeError("paths must be a sequence of paths (one per file), not one path")
+        resolved = [os.path.abspath(os.fspath(path)) for path in paths]
+        if not resolved:
+            raise ValueError("paths is empty: give one path per file")
+        if len(set(resolved)) != len(resolved):
+            raise ValueError("a path appears twice in paths")
+        total = capacity_in_blocks(caches, capacity_blocks, capacity_bytes)
+        count = len(resolved)
+        if total < count:
+            raise ValueError(f"a capacity of {total} blocks cannot give each of the {count} files a block")
+        shares = [total // count + (position < total % count) for position in range(count)]
+        self.capacity = total
+        self.persistent = persistent
+        self.stripes = [BlockStore(caches, path, share, num_slots, persistent=persistent, fsync=fsync,
+                                   fingerprint=f"{fingerprint} (stripe {position + 1} of {count})" if persistent
+                                   else fingerprint, **engine_options)
+                        for position, (path, share) in enumerate(zip(resolved, shares, strict=True))]
+        self._svc: LoopServices | None = None
+
+    def stripe_of(self, key: bytes) -> int:
+        """The stripe (index into ``paths``) that holds ``key``."""
+        if len(self.stripes) == 1:
+            return 0
+        digest = hashlib.blake2b(key, digest_size=8).digest()
+        return int.from_bytes(digest, "little") % len(self.stripes)
+
+    # ----------------------------------------------------------------- lifecycle
+    async def open(self) -> StripedBlockStore:
+        """Open every stripe (one after the other); if one fails, close those opened and raise."""
+        self._svc = current_services()
+        for position, stripe in enumerate(self.stripes):
+            try:
+                await stripe.open()
+            except BaseException:
+                for opened in self.stripes[:position + 1]:
+                    await self._svc.run_to_completion(opened.aclose())
+                raise
+        return self
+
+    async def __aenter__(self) -> StripedBlockStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every stripe (each even if another's closing failed; the first failure is raised)."""
+        failure: BaseException | None = None
+        for stripe in self.stripes:
+            try:
+                await stripe.aclose()
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    @property
+    def closed(self) -> bool:
+        return all(stripe.closed for stripe in self.stripes)
+
+    # ----------------------------------------------------------------- lookups (any thread)
+    def contains(self, key: bytes) -> bool:
+        """Whether ``key`` is visible now, in its stripe (see :meth:`BlockStore.contains`)."""
+        return self.stripes[self.stripe_of(key)].contains(key)
+
+    def lookup(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, are visible now; no I/O, any thread."""
+        count = 0
+        for key in keys:
+            if not self.contains(key):
+                break
+            count += 1
+        return count
+
+    def stats(self) -> dict[str, int]:
+        """:meth:`BlockStore.stats` summed over the stripes, and ``stripes``."""
+        total: dict[str, int] = {}
+        for stripe in self.stripes:
+            for name, value in stripe.stats().items():
+                total[name] = total.get(name, 0) + value
+        total["stripes"] = len(self.stripes)
+        return total
+
+    # ----------------------------------------------------------------- transfers (the loop)
+    async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
+        """:meth:`BlockStore.put`, each key in its stripe, the stripes at once."""
+        key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=True)
+        await self._fan_out("put", key_list, row_list, after)
+
+    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
+        """:meth:`BlockStore.get`, each key from its stripe, the stripes at once."""
+        key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
+        if missing := [key for key in key_list if not self.contains(key)]:
+            raise KeyMissingError(missing)
+        await self._fan_out("get", key_list, row_list, after)
+
+    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
+        """:meth:`BlockStore.get_present`, over the stripes at once: the keys loaded, in call order."""
+        key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
+        parts = self._split(key_list, row_list)
+        svc = self._check_open()
+        loaded = await svc.gather([self.stripes[position].get_present(part_keys, part_rows, after)
+                                   for position, (part_keys, part_rows) in parts.items()])
+        held = {key for part in loaded for key in part}
+        return [key for key in key_list if key in held]
+
+    # ----------------------------------------------------------------- internals
+    def _split(self, keys: list[bytes], rows: list[int]) -> dict[int, tuple[list[bytes], list[int]]]:
+        parts: dict[int, tuple[list[bytes], list[int]]] = {}
+        for key, row in zip(keys, rows, strict=True):
+            part = parts.setdefault(self.stripe_of(key), ([], []))
+            part[0].append(key)
+            part[1].append(row)
+        return parts
+
+    async def _fan_out(self, op: str, keys: list[bytes], rows: list[int], after: Any) -> None:
+        svc = self._check_open()
+
+        async def part(position: int, part_keys: list[bytes], part_rows: list[int]) -> dict[bytes, int]:
+            stripe = self.stripes[position]
+            try:
+                await (stripe.put if op == "put" else stripe.get)(part_keys, part_rows, after)
+            except KeyIOError as exc:
+                return exc.failures
+            except KeyMissingError as exc:  # evicted since the check (get)
+                return {key: errno.ENOENT for key in exc.keys}
+            return {}
+
+        results = await svc.gather([part(position, part_keys, part_rows)
+                                    for position, (part_keys, part_rows) in self._split(keys, rows).items()])
+        failures = {key: code for result in results for key, code in result.items()}
+        if failures:
+            raise KeyIOError(op, {key: failures[key] for key in keys if key in failures})
+
+    def _check_open(self) -> LoopServices:
+        for stripe in self.stripes:
+            stripe._check_open()  # (raises EngineClosedError, or RuntimeError off the loop)
+        if self._svc is None:
+            raise UringKVError("striped store was never opened")
+        return self._svc
+
