@@ -9,8 +9,12 @@ import os
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from uring_kv._file import round_up
 from uring_kv._native import block_array, check_blocks, copy_blocks
 
+# capacity_bytes counts each block padded to this, the largest I/O alignment usual today: the file
+# (blocks padded to the real alignment, known only once it is open) then fits in capacity_bytes.
+PAD_FOR_CAPACITY = 4096
 # Most blocks of one call checked or registered per loop callback (a few hundred µs of Python at
 # most); a larger call is admitted over several loop turns (see Engine._admit).
 ADMIT_BLOCKS = 512
@@ -142,3 +146,19 @@ def check_disk_size(num_disk_blocks: int, block_bytes: int) -> None:
     if file_bytes > 2**63 - 1:
         raise ValueError(f"num_disk_blocks={num_disk_blocks}: a file of {file_bytes} bytes is beyond any file "
                          "offset (2**63 - 1)")
+
+
+def capacity_in_blocks(caches: Any, capacity_blocks: int | None, capacity_bytes: int | None) -> int:
+    """The capacity given as ``capacity_blocks`` or as ``capacity_bytes`` (one of them), in blocks."""
+    if (capacity_blocks is None) == (capacity_bytes is None):
+        raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
+    if capacity_bytes is not None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        _, tensors = normalise_caches(caches)
+        padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
+        capacity_blocks = capacity_bytes // padded
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
+    assert capacity_blocks is not None
+    return capacity_blocks

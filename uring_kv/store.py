@@ -26,21 +26,12 @@ Some facts about frameworks' KV caches, and what follows for the store:
   separated from its bookkeeping by an ``await``. The index is an OrderedDict: lookup, touch and
   eviction of the oldest are O(1). A lookup from another thread is one dict membership test per
   key, atomic under the GIL, so those three may be called from any thread (see ``uring_kv.sync``).
-* A persistent store (``persistent=True``) keeps the file at ``path`` and an SQLite index beside it
-  (``_index.py``), which the in-memory index follows: a key becomes visible once its row is
-  committed, after its write (and, with ``fsync``, after an fdatasync). A block that leaves a key
-  (evicted, or its load failed) is *doomed*: its row's deletion goes to the index with the next
-  put, and no write may touch the block before that deletion is committed (``_clearing``). Should
-  the deletion fail, the block is never used again in this run (``_lost``): the row may still
-  name it. Every block carries a crc32c (the engine's ``checksum=True``), kept in its row and
-  checked on every load, the first after a reopen included.
+* A persistent store (``persistent=True``) follows an SQLite index: see ``_kept.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import functools
 import operator
 import os
 from collections import OrderedDict
@@ -48,32 +39,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from uring_kv._args import normalise_caches
+from uring_kv._args import capacity_in_blocks, normalise_caches
 from uring_kv._engine import Engine
-from uring_kv._file import round_up
-from uring_kv._index import FORMAT, Index, failure_errno
+from uring_kv._kept import Kept
 from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
-
-# capacity_bytes counts each block padded to this, the largest I/O alignment usual today: the file
-# (blocks padded to the real alignment, known only once it is open) then fits in capacity_bytes.
-PAD_FOR_CAPACITY = 4096
-
-
-def capacity_in_blocks(caches: Any, capacity_blocks: int | None, capacity_bytes: int | None) -> int:
-    """The capacity given as ``capacity_blocks`` or as ``capacity_bytes`` (one of them), in blocks."""
-    if (capacity_blocks is None) == (capacity_bytes is None):
-        raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
-    if capacity_bytes is not None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
-            raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
-        _, tensors = normalise_caches(caches)
-        padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
-        capacity_blocks = capacity_bytes // padded
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
-    assert capacity_blocks is not None
-    return capacity_blocks
 
 
 @dataclass(eq=False, slots=True)
@@ -149,22 +119,18 @@ class BlockStore(OpenClose):
         self._svc: LoopServices | None = None
         self._state = "new"
         self._counts = {"evictions": 0, "store_failures": 0, "load_failures": 0, "no_room": 0}
-        # persistence (see the module docstring); all unused without it
-        self._db: Index | None = None
+        # persistence (see _kept.py)
         self.persistent = persistent
         self.fsync = persistent and fsync is not False
         self.fingerprint = fingerprint
-        self._doomed: list[tuple[bytes, int]] = []  # (key, disk block) rows to delete before the block is reused
-        self._clearing: dict[int, Any] = {}  # disk block → the future of its old row's deletion
         self._lost: set[int] = set()  # blocks whose old row could not be deleted: never reused
-        self._touched: dict[bytes, int] = {}  # key → its last use, not yet in the index
-        self._clock = 0  # the next use number
+        self._kept: Kept | None = None
         if persistent:
             self._counts.update(restored=0, index_failures=0)
             names, tensors = normalise_caches(caches)  # each tensor's name, dtype, block shape and bytes
-            self._layout = [[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:]),
-                             t.numel() // t.shape[0] * t.element_size()]
-                            for name, t in zip(names, tensors, strict=True)]
+            layout = [[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:]),
+                       t.numel() // t.shape[0] * t.element_size()] for name, t in zip(names, tensors, strict=True)]
+            self._kept = Kept(self, self.fsync, fingerprint, layout)
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> BlockStore:
@@ -174,8 +140,8 @@ class BlockStore(OpenClose):
         self._state = "opening"
         self._svc = current_services()
         try:
-            if self.persistent:
-                await self._open_kept(self._svc)
+            if self._kept is not None:
+                await self._kept.open(self._svc)
             else:
                 await self.engine.open()
         except BaseException:
@@ -184,39 +150,6 @@ class BlockStore(OpenClose):
         if self._state == "opening":  # (not if aclose() began meanwhile)
             self._state = "open"
         return self
-
-    async def _open_kept(self, svc: LoopServices) -> None:
-        """Open the index (its geometry checked before the block file is touched), then the engine
-        on the kept file, then take the index's keys in, LRU order and all."""
-        engine = self.engine
-        db = self._db = Index(engine.path + ".index", engine.path, self.fsync, svc)
-        try:
-            await db.open(self._geometry())
-            await engine.open()
-            restored = await db.restore(engine.file.fd, engine.file.stride, self.capacity, engine.file.created)
-            engine.adopt({disk_block: crc for _, disk_block, crc in restored.rows})
-        except BaseException:
-            await svc.run_to_completion(self._abandon(db))
-            raise
-        index, used = self._index, set()
-        for key, disk_block, _ in restored.rows:
-            index[key] = _Entry(key, disk_block)
-            used.add(disk_block)
-        self._fresh = max(used) + 1 if used else 0
-        self._free = [disk_block for disk_block in range(self._fresh - 1, -1, -1) if disk_block not in used]
-        self._clock = restored.clock
-        self._counts["restored"] = len(restored.rows)
-
-    async def _abandon(self, db: Index) -> None:
-        try:
-            await self.engine.aclose()
-        finally:
-            await db.close([], [])
-
-    def _geometry(self) -> dict[str, Any]:
-        """What decides how a block's bytes are read: checked against a persistent store's files."""
-        return {"format": FORMAT, "fingerprint": self.fingerprint, "tensors": self._layout,
-                "block_bytes": self.engine.block_bytes}
 
     async def aclose(self) -> None:
         """Refuse new calls, let those under way finish (their keys land or fail as usual), close
@@ -243,12 +176,8 @@ class BlockStore(OpenClose):
             while self._busy:  # their last step (index updates, pins) runs after their batches end
                 self._idle = svc.create_future()
                 await svc.wait_through_cancellation(self._idle)
-            if self._db is not None:
-                try:  # the last deletions and uses; the database is then closed
-                    await self._db.close(self._doomed, self._take_touches())
-                except Exception as exc:  # the files stay sound: a row kept names a block never reused
-                    svc.report(f"uring_kv BlockStore {self.engine.path}: saving its index at close failed", exc)
-                self._doomed = []
+            if self._kept is not None:  # the last deletions and uses; the database is then closed
+                await self._kept.close(svc)
             for entry in self._index.values():
                 entry.readers = 0  # pins still held (see pin) end with the store
             self._index.clear()
@@ -313,8 +242,8 @@ class BlockStore(OpenClose):
         for key, row in zip(key_list, row_list, strict=True):
             if key in index:
                 index.move_to_end(key)
-                if self._db is not None:
-                    self._use(key)
+                if self._kept is not None:
+                    self._kept.use(key)
             elif (entry := self._writing.get(key)) is not None:
                 if entry.written is None:
                     entry.written = svc.create_future()
@@ -355,8 +284,8 @@ class BlockStore(OpenClose):
         entries = [index[key] for key in key_list]
         for entry in entries:
             index.move_to_end(entry.key)
-            if self._db is not None:
-                self._use(entry.key)
+            if self._kept is not None:
+                self._kept.use(entry.key)
             if not entry.readers:
                 self._pinned += 1
             entry.readers += 1
@@ -424,8 +353,8 @@ class BlockStore(OpenClose):
     async def _write(self, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
         """Store the entries' rows to their blocks; make the written ones visible, free the
         others' blocks. The keys that failed, with their errno."""
-        if self._db is not None:
-            return await self._write_kept(self._db, writes, after)
+        if self._kept is not None:
+            return await self._kept.write(writes, after)
         try:
             await self.engine.store_batch([row for _, row in writes], [entry.disk_block for entry, _ in writes],
                                           after)
@@ -436,91 +365,15 @@ class BlockStore(OpenClose):
             raise
         return self._settle(writes, {})
 
-    async def _write_kept(self, db: Index, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
-        """:meth:`_write` for a persistent store: the blocks' old rows deleted first, the new rows
-        committed (after a sync) before the keys become visible."""
-        svc = self._svc
-        assert svc is not None
-        self._flush_doomed()
-        clearing = {entry.disk_block: fut for entry, _ in writes
-                    if (fut := self._clearing.get(entry.disk_block)) is not None}
-        failed: dict[int, int] = {}
-        try:
-            for disk_block, fut in clearing.items():
-                await _quietly(svc, fut)
-                if fut.exception() is not None:
-                    self._lose(disk_block)
-                    failed[disk_block] = failure_errno(fut.exception())
-            todo = [(entry, row) for entry, row in writes if entry.disk_block not in failed]
-            if todo:
-                try:
-                    await self.engine.store_batch([row for _, row in todo], [entry.disk_block for entry, _ in todo],
-                                                  after)
-                except BlockIOError as exc:
-                    failed.update(exc.failures)
-        except BaseException:  # cancelled, or refused (closing): no block of it is vouched for
-            self._settle(writes, {entry.disk_block: errno.ECANCELED for entry, _ in writes})
-            raise
-        written = [entry for entry, _ in writes if entry.disk_block not in failed]
-        rows = []
-        for entry, crc in zip(written, self.engine.block_sums([entry.disk_block for entry in written]), strict=True):
-            if crc is None:  # could not be summed (reported by the engine): nothing to check it by later
-                failed[entry.disk_block] = errno.EIO
-            else:
-                rows.append((entry.key, entry.disk_block, crc, self._tick()))
-        if rows:
-            committed = db.write(inserts=rows, touches=self._take_touches(), sync=self.fsync)
-            try:
-                await _quietly(svc, committed)
-            except BaseException:  # cancelled: the rows may still land, so they go again before reuse
-                self._doomed += [(key, disk_block) for key, disk_block, _, _ in rows]
-                self._settle(writes, {entry.disk_block: errno.ECANCELED for entry, _ in writes})
-                raise
-            if (refusal := committed.exception()) is not None:
-                self._counts["index_failures"] += 1
-                self._doomed += [(key, disk_block) for key, disk_block, _, _ in rows]
-                failed.update({disk_block: failure_errno(refusal) for _, disk_block, _, _ in rows})
-        return self._settle(writes, failed)
-
-    def _flush_doomed(self) -> None:
-        """Send the doomed rows' deletion to the index; their blocks wait for it before reuse."""
-        if not self._doomed:
-            return
-        assert self._db is not None
-        doomed, self._doomed = self._doomed, []
-        fut = self._db.write(deletes=doomed, touches=self._take_touches())
-        blocks = [disk_block for _, disk_block in doomed]
-        for disk_block in blocks:
-            self._clearing[disk_block] = fut
-        fut.add_done_callback(functools.partial(self._cleared, blocks))
-
-    def _cleared(self, blocks: list[int], fut: Any) -> None:
-        failed = fut.exception() is not None
-        if failed:
-            self._counts["index_failures"] += 1
-        for disk_block in blocks:
-            if self._clearing.get(disk_block) is fut:
-                del self._clearing[disk_block]
-            if failed:
-                self._lose(disk_block)
-
-    def _lose(self, disk_block: int) -> None:
-        """A block whose old row may still be in the index: never used again in this run."""
-        if disk_block not in self._lost:
-            self._lost.add(disk_block)
-            if disk_block in self._free:
-                self._free.remove(disk_block)
-
-    def _use(self, key: bytes) -> None:
-        self._touched[key] = self._tick()
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock - 1
-
-    def _take_touches(self) -> list[tuple[int, bytes]]:
-        touched, self._touched = self._touched, {}
-        return [(used, key) for key, used in touched.items()]
+    def _restore(self, rows: list[tuple[bytes, int]]) -> None:
+        """At open, a persistent store's keys (least recently used first) and their blocks."""
+        used = set()
+        for key, disk_block in rows:
+            self._index[key] = _Entry(key, disk_block)
+            used.add(disk_block)
+        self._fresh = max(used) + 1 if used else 0
+        self._free = [disk_block for disk_block in range(self._fresh - 1, -1, -1) if disk_block not in used]
+        self._counts["restored"] = len(rows)
 
     def _settle(self, writes: list[tuple[_Entry, int]], failed: Mapping[int, int]) -> dict[bytes, int]:
         failures: dict[bytes, int] = {}
@@ -556,9 +409,8 @@ class BlockStore(OpenClose):
         del index[key]
         entry.gone = True
         self._counts["evictions"] += 1
-        if self._db is not None:
-            self._doomed.append((key, entry.disk_block))
-            self._touched.pop(key, None)
+        if self._kept is not None:
+            self._kept.forget(key, entry.disk_block)
         return entry.disk_block
 
     def _drop(self, entry: _Entry) -> None:
@@ -567,9 +419,8 @@ class BlockStore(OpenClose):
             return
         entry.gone = True
         del self._index[entry.key]
-        if self._db is not None:
-            self._doomed.append((entry.key, entry.disk_block))
-            self._touched.pop(entry.key, None)
+        if self._kept is not None:
+            self._kept.forget(entry.key, entry.disk_block)
         if entry.readers:
             self._pinned -= 1  # (counts the index's entries only)
         else:
@@ -628,10 +479,3 @@ class BlockStore(OpenClose):
         if unique_keys and len(set(key_list)) != len(key_list):
             raise ValueError("a key appears twice in one put")
         return key_list, row_list
-
-
-async def _quietly(svc: LoopServices, fut: Any) -> None:
-    """Wait for ``fut`` without raising its error (the caller reads it); a cancellation still raises."""
-    if not fut.done():
-        with contextlib.suppress(Exception):  # (cancellations are BaseExceptions, under asyncio and trio)
-            await svc.wait(fut)

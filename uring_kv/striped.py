@@ -31,9 +31,10 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from uring_kv._args import capacity_in_blocks
 from uring_kv._loop import LoopServices, current_services
 from uring_kv.errors import KeyIOError, KeyMissingError, UringKVError
-from uring_kv.store import BlockStore, capacity_in_blocks
+from uring_kv.store import BlockStore
 
 
 class StripedBlockStore:
