@@ -47,7 +47,6 @@ from uring_kv.errors import EngineClosedError
 from uring_kv.integrations.mooncake_config import MooncakeConfig, MooncakeError
 from uring_kv.integrations.mooncake_staging import (
     BAD_VALUE,
-    BUFFER_FREE,
     CALL_FAILED,
     NO_AVAILABLE_HANDLE,
     NOT_TRIED,
@@ -60,6 +59,7 @@ from uring_kv.integrations.mooncake_staging import (
     StagingRows,
     error_name,
     intact,
+    rows_free_after,
     seal,
     wait_for,
 )
@@ -69,7 +69,7 @@ log = logging.getLogger("uring_kv.mooncake")
 class _Call:
     """One client call on the worker thread and the staging rows it owns until it returns."""
 
-    __slots__ = ("abandoned", "fut", "outcome", "rows", "stores", "tier", "timed_out")
+    __slots__ = ("abandoned", "fut", "outcome", "rows", "seconds", "stores", "tier", "timed_out")
     # abandoned: nobody reads the rows after the worker returns, so they go back right then;
     # stores: a put, whose keys are counted when it returns (whoever waits for it, if anyone)
 
@@ -77,11 +77,13 @@ class _Call:
         self.tier, self.rows = tier, rows
         self.fut = tier.svc.create_future()
         self.outcome: Any = None
+        self.seconds = 0.0  # how long the client call took
         self.abandoned = self.timed_out = self.stores = False
 
-    def settle(self, ok: bool, outcome: Any) -> None:
+    def settle(self, ok: bool, outcome: Any, seconds: float) -> None:
         """On the loop, once the worker returned."""
         self.outcome = outcome if ok else [CALL_FAILED] * len(self.rows)
+        self.seconds = seconds
         if not ok:
             self.tier.note_error(f"Mooncake client call raised {outcome!r}", back_off=False)
         if self.timed_out:
@@ -108,13 +110,14 @@ class _Call:
         rows, self.rows = self.rows, []
         if not rows:
             return
-        done = [code in BUFFER_FREE or code > 0 for code in self.outcome]
+        done = [rows_free_after(code, self.seconds) for code in self.outcome]
         free = [row for row, ok in zip(rows, done, strict=True) if ok]
         resting = [row for row, ok in zip(rows, done, strict=True) if not ok]
         if resting:
             self.tier.rows.rest(resting, self.tier.config.quarantine)
-            log.warning("uring_kv: %d Mooncake staging row(s) rest %.0f s: their call ended with %s", len(resting),
-                        self.tier.config.quarantine, ", ".join(sorted({error_name(c) for c in self.outcome if c < 0})))
+            log.warning("uring_kv: %d Mooncake staging row(s) rest %.0f s: their call ended after %.0f s with %s",
+                        len(resting), self.tier.config.quarantine, self.seconds,
+                        ", ".join(sorted({error_name(c) for c in self.outcome if c < 0})))
         self.tier.rows.give_back(free)
 
 
@@ -398,13 +401,14 @@ class MooncakeTier(OpenClose):
         fut = call.fut if call is not None else svc.create_future()
 
         def run() -> None:
+            started = time.monotonic()
             try:
                 outcome, ok = fn(*args), True
             except BaseException as exc:
                 outcome, ok = exc, False
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is left to tell
                 if call is not None:
-                    svc.call_soon_threadsafe(call.settle, ok, outcome)
+                    svc.call_soon_threadsafe(call.settle, ok, outcome, time.monotonic() - started)
                 else:
                     svc.call_soon_threadsafe(_settle, fut, ok, outcome)
 

@@ -5,10 +5,16 @@ Some facts, and what follows:
 * ``batch_get_into``/``batch_put_from`` move bytes straight from and into memory registered with
   ``register_buffer``, so the staging rows are that memory (page-aligned, one value each), and a
   row belongs to its call until the call has *returned* in the worker thread, whatever became of
-  the coroutine that made it (timed out, cancelled): the rule the engine's slots follow. A call
-  that ended with a code after which Mooncake may still be moving bytes (``TRANSFER_FAIL``, and any
-  code not known to come before the transfer or after its end) sends its rows to rest for the
-  tier's ``quarantine`` (longer than Mooncake's own 60 s wait for a transfer) before reuse.
+  the coroutine that made it (timed out, cancelled): the rule the engine's slots follow.
+* Returning is not always enough. A call waits for its transfers' slices to finish or fail, but
+  for at most 60 s (``wait_for_completion`` in Mooncake's ``transfer_task.cpp``); past that it
+  gives up *without cancelling them*, and the transport may still write into (or read from) the
+  row. So a row goes back at once after success, after a code that comes before any transfer or
+  after its end (``BUFFER_FREE``), or after any failure that came sooner than that wait
+  (``TRANSFER_FAIL`` from a dead peer comes in a millisecond: every slice failed); otherwise (a
+  failure after ``TRANSFER_WAIT`` seconds, or a client call that raised) it rests for the tier's
+  ``quarantine`` before reuse. When every row not in use rests, calls do not wait for one: their
+  keys are simply not tried.
 * A value's bytes are only as good as the memory and the network they crossed. A value is the
   block's bytes followed by a 32-byte trailer: magic, length, and the crc32c of the bytes seeded
   with the crc32c of the remote key, so that a value under another key fails as well. A fetched
@@ -57,6 +63,8 @@ ERROR_NAMES = {NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE", INVALID_PARAMS: "INVA
 # transfer ended (a bad value was fully received).
 BUFFER_FREE = frozenset({0, NO_AVAILABLE_HANDLE, INVALID_PARAMS, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND,
                           OBJECT_ALREADY_EXISTS, LEASE_EXPIRED, RPC_FAIL, RPC_TIMEOUT, BAD_VALUE})
+# Mooncake's wait for a transfer's slices (60 s) less a margin: a failure that came sooner left none running
+TRANSFER_WAIT = 50.0
 # After these, the cluster is unreachable as a whole: back off
 UNREACHABLE = frozenset({RPC_FAIL, RPC_TIMEOUT, TIMED_OUT})
 
@@ -68,6 +76,13 @@ PAGE = 4096
 def error_name(code: int) -> str:
     """A code's name (a Mooncake ``ErrorCode``, or the tier's own)."""
     return ERROR_NAMES.get(code, f"Mooncake error {code}")
+
+
+def rows_free_after(code: int, seconds: float) -> bool:
+    """Whether a row is free for reuse once a call that took ``seconds`` gave it ``code``."""
+    if code >= 0 or code in BUFFER_FREE:
+        return True
+    return code != CALL_FAILED and seconds < TRANSFER_WAIT
 
 
 def checksum(name: str, payload: Any) -> int:
@@ -124,9 +139,12 @@ class StagingRows:
         return taken
 
     async def acquire(self, wanted: int, timeout: float) -> list[int]:
-        """Between 1 and ``wanted`` rows; TimeoutError if none came within ``timeout`` seconds."""
+        """Between 1 and ``wanted`` rows; TimeoutError if none came within ``timeout`` seconds, at
+        once if no row is in use (all the others rest: none would come back in time)."""
         if not self._waiters and (taken := self._take(wanted)):
             return taken
+        if len(self._free) + len(self._resting) == self.count:
+            raise TimeoutError
         fut = self._svc.create_future()
         entry = (wanted, fut)
         self._waiters.append(entry)
