@@ -3,9 +3,10 @@
 It owns one master process and the HTTP metadata server the clients find each other through: it
 picks free ports on 127.0.0.1 (the master's RPC port and its metrics port, which otherwise listens
 on 0.0.0.0:9003 and so clashes between two masters), starts the master, waits until it accepts
-connections, and stops, kills, pauses or restarts it on the same ports (the fault tests). Nothing
-listens on another address, and the Mooncake client is never imported: only the binary shipped by
-the ``mooncake-transfer-engine-non-cuda`` wheel is needed.
+connections, and stops, kills, pauses or restarts it on the same ports (the fault tests). The
+master listens on nothing else. Only the binary shipped by the ``mooncake-transfer-engine-non-cuda``
+wheel is needed; the Mooncake client is imported by no process but a :class:`StoreNode`'s (one that
+lends memory to the cluster and does nothing else: the bench's topology).
 
 Why the metadata server is ours: the master's built-in one (``--enable_http_metadata_server``)
 binds 0.0.0.0 whatever ``--http_metadata_server_host`` says (0.3.13.post1), and the package's
@@ -305,7 +306,70 @@ def _accepts(port: int) -> bool:
         return False
 
 
+class StoreNode:
+    """A process that only lends memory to the cluster: a Mooncake client with a segment of
+    ``segment_bytes`` and no other work (Mooncake ships a ``mooncake_client`` binary for this; a
+    Python client keeps to the flags this module already passes). Values put by clients that lend
+    none land here, and reads of them cross a process boundary over TCP, as they would between
+    machines. ``with StoreNode(master, segment_bytes):`` starts it (once its segment is mounted)
+    and stops it."""
+
+    def __init__(self, master: LocalMaster, segment_bytes: int, start_timeout: float = 60.0) -> None:
+        self.master, self.segment_bytes, self.start_timeout = master, segment_bytes, start_timeout
+        self.process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> Self:
+        env = {**os.environ, "MC_TCP_BIND_ADDRESS": LOOPBACK}
+        self.process = subprocess.Popen(
+            [sys.executable, "-P", __file__, "--store-node", self.master.master_address, self.master.metadata_server,
+             str(self.segment_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, env=env, start_new_session=True)
+        assert self.process.stdout is not None
+        ready = threading.Timer(self.start_timeout, self.process.kill)
+        ready.start()
+        try:
+            line = self.process.stdout.readline().strip()
+        finally:
+            ready.cancel()
+        if line != "ready":
+            self.__exit__()
+            raise RuntimeError(f"the store node did not start (it said {line!r})")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        with contextlib.suppress(BrokenPipeError, OSError):
+            assert process.stdin is not None
+            process.stdin.close()  # it closes its client and exits
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def serve_segment(master_address: str, metadata_server: str, segment_bytes: int) -> None:
+    """A store node's process: mount a segment, say ``ready``, hold it until stdin closes."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    rc = client.setup(LOOPBACK, metadata_server, segment_bytes, 16 << 20, "tcp", "", master_address)
+    if rc != 0:
+        print(f"setup failed ({rc})", flush=True)
+        sys.exit(1)
+    print("ready", flush=True)
+    sys.stdin.read()
+    client.close()
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--serve-metadata"]:
-        sys.exit("usage: mooncake_master.py --serve-metadata")
-    serve_metadata()
+    if sys.argv[1:] == ["--serve-metadata"]:
+        serve_metadata()
+    elif sys.argv[1:2] == ["--store-node"] and len(sys.argv) == 5:
+        serve_segment(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        sys.exit("usage: mooncake_master.py --serve-metadata | --store-node MASTER METADATA SEGMENT_BYTES")
