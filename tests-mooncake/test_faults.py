@@ -23,7 +23,8 @@ def config(master: LocalMaster, **overrides: object) -> MooncakeConfig:
     options: dict[str, object] = {"segment_bytes": 32 << 20, "local_buffer_bytes": 4 << 20, "staging_rows": 8,
                                   "namespace": "faults", "timeout": 1.0, "retry_after": 0.2}
     options.update(overrides)
-    return MooncakeConfig(master.master_address, master.metadata_server, **options)  # type: ignore[arg-type]
+    options.setdefault("master_address", master.master_address)
+    return MooncakeConfig(metadata_server=master.metadata_server, **options)  # type: ignore[arg-type]
 
 
 async def checked_get(store: TieredStore, caches: dict[str, torch.Tensor], keys: list[bytes],
@@ -170,5 +171,21 @@ def test_a_full_segment_leaves_keys_local_only(master: LocalMaster, tmp_path: Pa
                 loaded = await checked_get(reader, caches, keys, list(range(12, 24)))
                 assert 0 < len(loaded) <= stats["remote_stored"]
                 assert reader.stats()["remote_hits"] == len(loaded)
+
+    asyncio.run(main())
+
+
+def test_an_unreachable_master_fails_open_at_once_and_closes_the_local_tier(master: LocalMaster,
+                                                                           tmp_path: Path) -> None:
+    from uring_kv.integrations.mooncake import MooncakeError
+    from uring_kv.integrations.mooncake_master import free_port
+
+    async def main() -> None:
+        store = TieredStore(make_caches(), tmp_path / "a", 4,
+                            remote=config(master, master_address=f"127.0.0.1:{free_port()}"))
+        started = time.monotonic()
+        with pytest.raises(MooncakeError, match=r"master at 127\.0\.0\.1:\d+ is not reachable"):
+            await store.open()
+        assert time.monotonic() - started < 5 and store.local.closed
 
     asyncio.run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import socket
 from dataclasses import dataclass
 
 from uring_kv.errors import UringKVError
@@ -65,3 +66,13 @@ class MooncakeConfig:
             if ipaddress.ip_address(self.local_hostname).is_loopback:
                 return self.local_hostname
         return None
+
+
+def check_reachable(what: str, address: str, timeout: float) -> None:
+    """MooncakeError unless a TCP connection to ``host:port`` opens within ``timeout`` seconds."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as exc:
+        raise MooncakeError(f"the Mooncake {what} at {address} is not reachable ({exc})") from exc

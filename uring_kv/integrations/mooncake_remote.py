@@ -12,6 +12,9 @@ Some facts about the Mooncake client (0.3.13), and what follows for the tier:
   ``setup`` and ``close``, which hold it. So they run on a worker thread of their own and the
   event loop waits for a future; ``open()`` and ``aclose()`` still stall the process while the
   client sets up (tens of ms) and closes (up to 2 s).
+* A master that is down makes ``setup`` retry for about 90 s (holding the GIL), so ``open()``
+  first opens a TCP connection to it (and to an HTTP metadata server) and fails at once if it
+  cannot.
 * A call to a master that does not answer (paused, partitioned) returns ``RPC_TIMEOUT`` only
   after 30 s; a dead master gives ``RPC_FAIL`` at once, a put up to 4 s later. So each call has
   a deadline of ``timeout`` seconds: past it, its keys are misses (gets) or not stored (puts),
@@ -36,6 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
 import crc32c
 
@@ -44,10 +48,9 @@ from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._memory import HostBuffer
 from uring_kv._native import BlockCopier
 from uring_kv.errors import EngineClosedError
-from uring_kv.integrations.mooncake_config import MooncakeConfig, MooncakeError
+from uring_kv.integrations.mooncake_config import MooncakeConfig, MooncakeError, check_reachable
 from uring_kv.integrations.mooncake_staging import (
     BAD_VALUE,
-    CALL_FAILED,
     NO_AVAILABLE_HANDLE,
     NOT_TRIED,
     OBJECT_ALREADY_EXISTS,
@@ -56,70 +59,15 @@ from uring_kv.integrations.mooncake_staging import (
     TIMED_OUT,
     TRAILER,
     UNREACHABLE,
+    Call,
     StagingRows,
     error_name,
     intact,
-    rows_free_after,
     seal,
     wait_for,
 )
 
 log = logging.getLogger("uring_kv.mooncake")
-
-class _Call:
-    """One client call on the worker thread and the staging rows it owns until it returns."""
-
-    __slots__ = ("abandoned", "fut", "outcome", "rows", "seconds", "stores", "tier", "timed_out")
-    # abandoned: nobody reads the rows after the worker returns, so they go back right then;
-    # stores: a put, whose keys are counted when it returns (whoever waits for it, if anyone)
-
-    def __init__(self, tier: MooncakeTier, rows: list[int]) -> None:
-        self.tier, self.rows = tier, rows
-        self.fut = tier.svc.create_future()
-        self.outcome: Any = None
-        self.seconds = 0.0  # how long the client call took
-        self.abandoned = self.timed_out = self.stores = False
-
-    def settle(self, ok: bool, outcome: Any, seconds: float) -> None:
-        """On the loop, once the worker returned."""
-        self.outcome = outcome if ok else [CALL_FAILED] * len(self.rows)
-        self.seconds = seconds
-        if not ok:
-            self.tier.note_error(f"Mooncake client call raised {outcome!r}", back_off=False)
-        if self.timed_out:
-            self.tier.stuck -= 1
-            self.tier.back_off()
-        if self.abandoned:
-            self.release()
-        if self.stores:
-            self.tier.tally(self.outcome, store=True)
-        if not self.fut.done():
-            self.fut.set_result(self.outcome)
-
-    def abandon(self, timed_out: bool) -> None:
-        """The caller stopped waiting: the rows go back when the worker returns (now, if it did)."""
-        self.abandoned = True
-        if self.outcome is not None:
-            self.release()
-        elif timed_out:
-            self.timed_out = True
-            self.tier.stuck += 1
-
-    def release(self) -> None:
-        """Rows whose code says Mooncake is done with them go back; the others rest (quarantine)."""
-        rows, self.rows = self.rows, []
-        if not rows:
-            return
-        done = [rows_free_after(code, self.seconds) for code in self.outcome]
-        free = [row for row, ok in zip(rows, done, strict=True) if ok]
-        resting = [row for row, ok in zip(rows, done, strict=True) if not ok]
-        if resting:
-            self.tier.rows.rest(resting, self.tier.config.quarantine)
-            log.warning("uring_kv: %d Mooncake staging row(s) rest %.0f s: their call ended after %.0f s with %s",
-                        len(resting), self.tier.config.quarantine, self.seconds,
-                        ", ".join(sorted({error_name(c) for c in self.outcome if c < 0})))
-        self.tier.rows.give_back(free)
-
 
 class MooncakeTier(OpenClose):
     """Cache rows ↔ values in a Mooncake cluster, for one layout of CPU caches (see the module
@@ -191,8 +139,11 @@ class MooncakeTier(OpenClose):
         if self._client is None:
             from mooncake.store import MooncakeDistributedStore
 
-            client = MooncakeDistributedStore()
             c = self.config
+            check_reachable("master", c.master_address, c.timeout)  # set-up retries for 90 s, holding the GIL
+            if c.metadata_server.startswith("http://"):
+                check_reachable("metadata server", urlsplit(c.metadata_server).netloc, c.timeout)
+            client = MooncakeDistributedStore()
             rc = client.setup(c.local_hostname, c.metadata_server, c.segment_bytes, c.local_buffer_bytes, c.protocol,
                               c.rdma_devices, c.master_address)
             if rc != 0:
@@ -275,16 +226,10 @@ class MooncakeTier(OpenClose):
         loaded: list[bytes] = []
         start = 0
         while start < len(pairs):
-            if not self.available:
-                self._counts["not_tried"] += len(pairs) - start
-                break
-            try:
-                staging = await self.rows.acquire(len(pairs) - start, self.config.timeout)
-            except TimeoutError:
-                self._counts["not_tried"] += len(pairs) - start
+            if (staging := await self._next_rows(len(pairs) - start)) is None:
                 break
             chunk, start = pairs[start:start + len(staging)], start + len(staging)
-            call = _Call(self, staging)
+            call = Call(self, staging)
             self._submit(self._get_into, [self.remote_key(key) for key, _ in chunk], staging, call=call)
             codes = await self._answer(call)
             if codes is None:
@@ -308,18 +253,11 @@ class MooncakeTier(OpenClose):
         job = StoreJob(self)
         start = 0
         while start < len(pairs):
-            if not self.available:
+            if (staging := await self._next_rows(len(pairs) - start)) is None:
                 job.failed.update((key, NOT_TRIED) for key, _ in pairs[start:])
-                self._counts["not_tried"] += len(pairs) - start
-                break
-            try:
-                staging = await self.rows.acquire(len(pairs) - start, self.config.timeout)
-            except TimeoutError:
-                job.failed.update((key, NOT_TRIED) for key, _ in pairs[start:])
-                self._counts["not_tried"] += len(pairs) - start
                 break
             chunk, start = pairs[start:start + len(staging)], start + len(staging)
-            call = _Call(self, staging)
+            call = Call(self, staging)
             call.abandoned = call.stores = True  # nothing is read back: the rows go back when the worker returns
             try:
                 self._copier.host(True, [self._row_addr(row) for row in staging], [row for _, row in chunk])
@@ -339,7 +277,7 @@ class MooncakeTier(OpenClose):
         names = [self.remote_key(key) for key in self._keys(keys)]
         if not names or not self.available:
             return None
-        call = _Call(self, [])
+        call = Call(self, [])
         self._submit(self._client.batch_is_exist, names, call=call)
         try:
             found = await wait_for(self.svc, call.fut, self.config.timeout)
@@ -358,7 +296,16 @@ class MooncakeTier(OpenClose):
         return [flag == 1 for flag in found]
 
     # ----------------------------------------------------------------- internals
-    async def _answer(self, call: _Call) -> list[int] | None:
+    async def _next_rows(self, remaining: int) -> list[int] | None:
+        """Staging rows for the next chunk, or None: the ``remaining`` keys are not tried (backing
+        off, or no row came in time)."""
+        if self.available:
+            with contextlib.suppress(TimeoutError):
+                return await self.rows.acquire(remaining, self.config.timeout)
+        self._counts["not_tried"] += remaining
+        return None
+
+    async def _answer(self, call: Call) -> list[int] | None:
         """The call's codes, or None when it timed out (its keys are counted) or was cancelled
         (re-raised); either way the rows then go back when the worker returns."""
         try:
@@ -393,7 +340,7 @@ class MooncakeTier(OpenClose):
         if unreachable := [code for code in codes if code in UNREACHABLE]:
             self.note_error(f"Mooncake unreachable ({error_name(unreachable[0])})")
 
-    def _submit(self, fn: Callable[..., Any], *args: Any, call: _Call | None = None) -> Any:
+    def _submit(self, fn: Callable[..., Any], *args: Any, call: Call | None = None) -> Any:
         """Run ``fn(*args)`` on the worker thread; its outcome settles ``call`` (or a fresh future)."""
         if self._state not in ("open", "opening", "closing") or self._executor is None:
             raise EngineClosedError(f"Mooncake tier is {self._state}")
@@ -471,7 +418,7 @@ class StoreJob:
 
     def __init__(self, tier: MooncakeTier) -> None:
         self._tier = tier
-        self.calls: list[tuple[list[bytes], _Call]] = []
+        self.calls: list[tuple[list[bytes], Call]] = []
         self.failed: dict[bytes, int] = {}  # key → code, for keys not even tried
 
     async def wait(self) -> dict[bytes, int]:

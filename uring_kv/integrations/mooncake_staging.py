@@ -1,4 +1,5 @@
-"""The staging rows a Mooncake tier moves values through, the values' format, and Mooncake's codes.
+"""The staging rows a Mooncake tier moves values through, the calls that own them, the values'
+format, and Mooncake's codes.
 
 Some facts, and what follows:
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import struct
 import time
 from collections import deque
@@ -36,6 +38,8 @@ from typing import Any
 import crc32c
 
 from uring_kv._loop import LoopServices
+
+log = logging.getLogger("uring_kv.mooncake")
 
 # Mooncake Store's ErrorCode values (mooncake-store/include/types.h); the client returns them as ints.
 NO_AVAILABLE_HANDLE = -200  # no space in any segment
@@ -169,3 +173,62 @@ class StagingRows:
     def rest(self, rows: Iterable[int], seconds: float) -> None:
         until = time.monotonic() + seconds
         self._resting += [(until, row) for row in rows]
+
+
+class Call:
+    """One client call on the tier's worker thread, and the staging rows it owns until it returns.
+
+    ``tier`` is the :class:`~uring_kv.integrations.mooncake_remote.MooncakeTier` that made it
+    (its loop services, rows, config, and its counts of stuck calls and errors). On the loop only,
+    but for :meth:`settle`, which the worker schedules there."""
+
+    __slots__ = ("abandoned", "fut", "outcome", "rows", "seconds", "stores", "tier", "timed_out")
+    # abandoned: nobody reads the rows after the worker returns, so they go back right then;
+    # stores: a put, whose keys are counted when it returns (whoever waits for it, if anyone)
+
+    def __init__(self, tier: Any, rows: list[int]) -> None:
+        self.tier, self.rows = tier, rows
+        self.fut = tier.svc.create_future()
+        self.outcome: Any = None
+        self.seconds = 0.0  # how long the client call took
+        self.abandoned = self.timed_out = self.stores = False
+
+    def settle(self, ok: bool, outcome: Any, seconds: float) -> None:
+        """On the loop, once the worker returned."""
+        self.outcome = outcome if ok else [CALL_FAILED] * len(self.rows)
+        self.seconds = seconds
+        if not ok:
+            self.tier.note_error(f"Mooncake client call raised {outcome!r}", back_off=False)
+        if self.timed_out:
+            self.tier.stuck -= 1
+            self.tier.back_off()
+        if self.abandoned:
+            self.release()
+        if self.stores:
+            self.tier.tally(self.outcome, store=True)
+        if not self.fut.done():
+            self.fut.set_result(self.outcome)
+
+    def abandon(self, timed_out: bool) -> None:
+        """The caller stopped waiting: the rows go back when the worker returns (now, if it did)."""
+        self.abandoned = True
+        if self.outcome is not None:
+            self.release()
+        elif timed_out:
+            self.timed_out = True
+            self.tier.stuck += 1
+
+    def release(self) -> None:
+        """Rows whose code says Mooncake is done with them go back; the others rest (quarantine)."""
+        rows, self.rows = self.rows, []
+        if not rows:
+            return
+        done = [rows_free_after(code, self.seconds) for code in self.outcome]
+        free = [row for row, ok in zip(rows, done, strict=True) if ok]
+        resting = [row for row, ok in zip(rows, done, strict=True) if not ok]
+        if resting:
+            self.tier.rows.rest(resting, self.tier.config.quarantine)
+            log.warning("uring_kv: %d Mooncake staging row(s) rest %.0f s: their call ended after %.0f s with %s",
+                        len(resting), self.tier.config.quarantine, self.seconds,
+                        ", ".join(sorted({error_name(c) for c in self.outcome if c < 0})))
+        self.tier.rows.give_back(free)
