@@ -196,8 +196,12 @@ def _bench_lmcache(args: argparse.Namespace) -> int:
 
 
 def _bench_mooncake(args: argparse.Namespace) -> int:
+    import importlib.util
+
     from uring_kv.integrations import mooncake_bench
 
+    if importlib.util.find_spec("mooncake") is None:
+        raise UsageError("needs Mooncake: pip install 'uring-kv[mooncake]' (and the libibverbs1 system package)")
     sizes = args.block_size or [64 << 10, 256 << 10, 1 << 20]
     for size in sizes:
         if size % 8:
