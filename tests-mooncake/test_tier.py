@@ -129,3 +129,24 @@ def test_under_trio(master: LocalMaster, tmp_path: Path) -> None:
             assert await store.lookup_shared([*keys, key(9, "trio")]) == 5
 
     trio.run(main)
+
+
+def test_closing_while_a_get_is_in_flight_waits_for_its_rows(master: LocalMaster, tmp_path: Path) -> None:
+    async def main() -> None:
+        caches = make_caches()
+        keys = [key(i, "closing") for i in range(8)]
+        for row, k in enumerate(keys):
+            fill(caches, row, k)
+        store = await TieredStore(caches, tmp_path / "a", 32, remote=config(master)).open()
+        await store.put(keys, range(8))
+        poison(caches, range(8, 16))
+        fetching = asyncio.ensure_future(store.remote.fetch(keys, range(8, 16)))
+        await asyncio.sleep(0)  # its call is on the worker thread now
+        untouched = row_bytes(caches, 8)
+        await store.aclose()  # the staging rows are unmapped only after the fetch copied out of them
+        loaded = await fetching  # its first chunk (4 staging rows); closing refused the rest
+        assert loaded == keys[:4]
+        assert all(holds(caches, 8 + i, k) for i, k in enumerate(loaded))
+        assert all(row_bytes(caches, row) == untouched for row in range(12, 16))
+
+    asyncio.run(main())

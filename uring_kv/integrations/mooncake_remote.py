@@ -169,6 +169,7 @@ class MooncakeTier(OpenClose):
         svc = self.svc
         for fut in list(self._pending):
             await svc.wait_through_cancellation(fut)
+        await self.rows.drained()  # a get may still be copying out of its rows: unmapping them waits
         assert self._executor is not None
         await svc.wait_through_cancellation(self._submit(self._tear_down))
         await svc.to_thread(self._executor.shutdown, True)

@@ -127,6 +127,7 @@ class StagingRows:
         self._free = list(range(count))
         self._resting: list[tuple[float, int]] = []  # (until, row)
         self._waiters: deque[tuple[int, Any]] = deque()
+        self._idle: list[Any] = []  # futures of drained(): no row held by a call
 
     @property
     def resting(self) -> int:
@@ -169,10 +170,27 @@ class StagingRows:
             wanted, fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(self._take(wanted))
+        self._check_idle()
 
     def rest(self, rows: Iterable[int], seconds: float) -> None:
         until = time.monotonic() + seconds
         self._resting += [(until, row) for row in rows]
+        self._check_idle()
+
+    async def drained(self) -> None:
+        """Return once no row is held by a call or by the coroutine reading it (resting rows do
+        not count): the memory may then be unregistered. Waits through cancellation."""
+        while len(self._free) + len(self._resting) < self.count:
+            fut = self._svc.create_future()
+            self._idle.append(fut)
+            await self._svc.wait_through_cancellation(fut)
+
+    def _check_idle(self) -> None:
+        if self._idle and len(self._free) + len(self._resting) == self.count:
+            idle, self._idle = self._idle, []
+            for fut in idle:
+                if not fut.done():
+                    fut.set_result(None)
 
 
 class Call:
