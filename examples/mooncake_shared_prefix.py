@@ -93,7 +93,7 @@ def serve(role: str, master_address: str, metadata_server: str) -> None:
 def main() -> None:
     from uring_kv.integrations.mooncake_master import LocalMaster
 
-    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "2"}
+    env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     with LocalMaster() as master:
         print(f"mooncake_master on {master.master_address}, metadata at {master.metadata_server}")
         command = [sys.executable, os.path.abspath(__file__), master.master_address, master.metadata_server]

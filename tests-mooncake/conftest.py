@@ -11,8 +11,6 @@ from collections.abc import Iterator
 import pytest
 
 os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-# the client logs every call at INFO to stderr; warnings and errors stay
-os.environ.setdefault("GLOG_minloglevel", "1")
 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 

@@ -107,8 +107,9 @@ def test_a_master_that_stops_answering_times_out_and_the_local_tier_keeps_servin
                 new = key(100, "pause")
                 fill(caches, 16, new)
                 await store.put([new], [16])
-                assert time.monotonic() - started < 0.4 and store.contains(new)
-                assert store.stats()["remote_not_tried"] >= 5
+                assert time.monotonic() - started < 2.0 and store.contains(new)
+                stats = store.stats()  # no second timeout: nothing went to Mooncake
+                assert stats["remote_timeouts"] == 1 and stats["remote_not_tried"] >= 5
             finally:
                 master.resume()
             for _ in range(100):  # the stuck calls return once the master answers again

@@ -29,8 +29,9 @@ class MooncakeConfig:
     ``timeout``: seconds a call may take before its keys count as misses or unstored;
     ``retry_after``: seconds the tier leaves Mooncake alone after it was unreachable;
     ``quarantine``: seconds a row rests after a call that may still be moving its bytes.
-    ``bind_address``: the address the client's transfer engine listens on (``MC_TCP_BIND_ADDRESS``,
-    set for this process on open); by default ``local_hostname`` when that is a loopback address."""
+    ``bind_address``: ``MC_TCP_BIND_ADDRESS`` for this process, set on open (the address Mooncake's
+    transfer engine uses); by default ``local_hostname`` when that is a loopback address. The
+    client 0.3.13 still listens on 0.0.0.0 whatever it says: see docs/distributed.md."""
 
     master_address: str
     metadata_server: str
