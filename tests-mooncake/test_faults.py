@@ -6,6 +6,7 @@ Every row a call reports loaded is byte-checked; every other row must be left as
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -42,39 +43,55 @@ async def checked_get(store: TieredStore, caches: dict[str, torch.Tensor], keys:
 
 
 def test_master_killed_and_restarted_mid_run(master: LocalMaster, tmp_path: Path) -> None:
+    # The master is killed and restarted by timers on another thread while puts and gets run back
+    # to back, so either may land in the middle of a call.
+    events: dict[str, float] = {}
+
+    def kill() -> None:
+        master.kill()
+        events["killed"] = time.monotonic()
+
+    def restart() -> None:
+        master.restart()
+        events["restarted"] = time.monotonic()
+
     async def main() -> None:
         caches = make_caches(32)
         # a local tier of 4 blocks: most gets of older keys must go to Mooncake
         async with TieredStore(caches, tmp_path / "a", 4, remote=config(master)) as store:
             written: list[bytes] = []
-            phases: dict[str, list[int]] = {"before": [], "down": [], "after": []}
-            phase = "before"
-            restarted_at = 0.0
-            for round_ in range(200):
-                if round_ == 8:
-                    master.kill()
-                    phase = "down"
-                elif round_ == 16:
-                    master.restart()
-                    phase, restarted_at = "after", time.monotonic()
-                new = [key(2 * round_ + i, "kill") for i in range(2)]
-                for row, k in zip((0, 1), new, strict=True):
-                    fill(caches, row, k)
-                await store.put(new, [0, 1])  # the local tier stores them whatever Mooncake does
-                written += new
-                assert store.contains(new[0]) and store.contains(new[1])
-                older = written[-12:-2]  # mostly evicted from the 4 local blocks: remote hits or misses
-                hits = store.stats()["remote_hits"]
-                loaded = await checked_get(store, caches, [*new, *older], list(range(2, 4 + len(older))))
-                assert new[0] in loaded and new[1] in loaded, "the local tier stopped serving"
-                phases[phase].append(store.stats()["remote_hits"] - hits)
-                if phase == "after" and round_ > 24 and min(phases["after"][-3:]) >= 6:
-                    break  # remote hits are back (of the keys written since the restart)
-                await asyncio.sleep(0.05)
+            rounds: list[tuple[float, float, int]] = []  # (start, end, remote hits) of each round
+            timers = [threading.Timer(0.6, kill), threading.Timer(1.6, restart)]
+            for timer in timers:
+                timer.start()
+            try:
+                for round_ in range(400):
+                    started = time.monotonic()
+                    new = [key(2 * round_ + i, "kill") for i in range(2)]
+                    for row, k in zip((0, 1), new, strict=True):
+                        fill(caches, row, k)
+                    await store.put(new, [0, 1])  # the local tier stores them whatever Mooncake does
+                    written += new
+                    assert store.contains(new[0]) and store.contains(new[1])
+                    older = written[-12:-2]  # mostly evicted from the 4 local blocks: remote hits or misses
+                    hits = store.stats()["remote_hits"]
+                    loaded = await checked_get(store, caches, [*new, *older], list(range(2, 4 + len(older))))
+                    assert new[0] in loaded and new[1] in loaded, "the local tier stopped serving"
+                    rounds.append((started, time.monotonic(), store.stats()["remote_hits"] - hits))
+                    after = [n for start, _, n in rounds if start > events.get("restarted", float("inf")) + 0.5]
+                    if len(after) >= 3 and min(after[-3:]) >= 6:
+                        break  # remote hits are back (of the keys written since the restart)
+                    await asyncio.sleep(0.02)
+            finally:
+                for timer in timers:
+                    timer.cancel()
+                    timer.join()
             stats = store.stats()
-            assert max(phases["before"]) > 0, stats  # remote hits before the kill
-            assert sum(phases["down"]) == 0, stats  # none while the master is dead (and nothing wrong)
-            assert phases["after"][-1] > 0, f"no remote hit {time.monotonic() - restarted_at:.1f} s after the restart"
+            killed, restarted = events["killed"], events["restarted"]
+            assert max(n for _, end, n in rounds if end < killed) > 0, stats  # remote hits before the kill
+            down = [n for start, end, n in rounds if killed < start and end < restarted]
+            assert down and sum(down) == 0, stats  # none while the master is dead (and nothing wrong)
+            assert after and after[-1] > 0, f"no remote hit {time.monotonic() - restarted:.1f} s after the restart"
             assert stats["remote_errors"] > 0 or stats["remote_not_tried"] > 0, stats
 
     asyncio.run(main())
