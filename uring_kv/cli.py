@@ -195,6 +195,22 @@ def _bench_lmcache(args: argparse.Namespace) -> int:
     return lmcache_bench.main(args)
 
 
+def _bench_mooncake(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from uring_kv.integrations import mooncake_bench
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise UsageError("needs Mooncake: pip install 'uring-kv[mooncake]' (and the libibverbs1 system package)")
+    sizes = args.block_size or [64 << 10, 256 << 10, 1 << 20]
+    for size in sizes:
+        if size % 8:
+            raise UsageError(f"--block-size {size}: a multiple of 8 bytes")
+    args.path = _directory(args.path)
+    _free_space(args.path, 3 * (args.bytes + args.batch * max(sizes)))  # three stores' files of one size at once
+    return mooncake_bench.bench_mooncake(sizes, args.batch, args.bytes, args.path, args.json)
+
+
 def _bench_sglang(args: argparse.Namespace) -> int:
     from uring_kv.integrations import sglang_bench
 
@@ -398,6 +414,16 @@ def main(argv: list[str] | None = None) -> int:
                                help="adapters to run (repeatable; default all)")
     bench_lmcache.add_argument("--json", help="write the results as JSON to this file")
     bench_lmcache.set_defaults(func=_bench_lmcache)
+    bench_mooncake = sub.add_parser("bench-mooncake", formatter_class=defaults,
+                                    help="the Mooncake tier's remote hits and writes on loopback TCP, with a "
+                                         "master and a store node it starts (needs Mooncake)")
+    bench_mooncake.add_argument("--path", help="directory for the local tiers' files (default: the temp directory)")
+    bench_mooncake.add_argument("--block-size", type=_size, action="append",
+                                help="bytes per block (repeatable; default 64K, 256K and 1M)")
+    bench_mooncake.add_argument("--bytes", type=_size, default=256 << 20, help="bytes each row moves per size")
+    bench_mooncake.add_argument("--batch", type=_at_least(1), default=32, help="blocks per call")
+    bench_mooncake.add_argument("--json", help="write the results as JSON to this file")
+    bench_mooncake.set_defaults(func=_bench_mooncake)
     bench_sglang = sub.add_parser("bench-sglang", formatter_class=defaults,
                                   help="UringKVHiCacheStorage against SGLang's own HiCacheFile backend (needs SGLang)")
     bench_sglang.add_argument("--path", help="directory for both backends' files (default: the temp directory)")
