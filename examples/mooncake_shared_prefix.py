@@ -59,7 +59,7 @@ def serve(role: str, master_address: str, metadata_server: str) -> None:
     from uring_kv.integrations.mooncake import MooncakeConfig, SyncTieredStore
 
     kv = caches()
-    keys = prefix_keys("You are a helpful assistant. " * 40)
+    keys = prefix_keys("Answer questions about the return policy of the shop, politely and briefly. " * 12)
     config = MooncakeConfig(master_address, metadata_server, segment_bytes=(64 << 20) if role == "prefill" else 0,
                             namespace="example-model")
     with SyncTieredStore(kv, tempfile.mkdtemp(prefix=f"kv-{role}-"), capacity_blocks=2 * BLOCKS,
