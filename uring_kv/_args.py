@@ -162,3 +162,14 @@ def capacity_in_blocks(caches: Any, capacity_blocks: int | None, capacity_bytes:
             raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
     assert capacity_blocks is not None
     return capacity_blocks
+
+
+def checked_keys(keys: Iterable[bytes]) -> list[bytes]:
+    """A store call's keys as a list, each checked to be bytes (one key alone is refused)."""
+    if isinstance(keys, (bytes, bytearray, str)):
+        raise TypeError("keys must be a sequence of keys (bytes), not one key")
+    key_list = list(keys)
+    for position, key in enumerate(key_list):
+        if not isinstance(key, bytes):
+            raise TypeError(f"keys[{position}] is a {type(key).__name__}, not bytes")
+    return key_list

@@ -46,10 +46,7 @@ class Summer:
     """crc32c of staged blocks (``checksum=True``) on worker threads; results come back on the loop."""
 
     def __init__(self, services: LoopServices, stride: int) -> None:
-        try:
-            import crc32c  # noqa: F401
-        except ImportError as exc:
-            raise ImportError("checksum=True needs the crc32c package (pip install crc32c)") from exc
+        # (Engine(checksum=True) has refused to be made without the crc32c package)
         self._svc = services
         self._stride = stride
         self._pool: ThreadPoolExecutor | None = None

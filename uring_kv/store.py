@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from uring_kv._args import capacity_in_blocks, normalise_caches
+from uring_kv._args import capacity_in_blocks, checked_keys, normalise_caches
 from uring_kv._engine import Engine
 from uring_kv._kept import Kept
 from uring_kv._loop import LoopServices, OpenClose, current_services
@@ -455,12 +455,7 @@ class BlockStore(OpenClose):
         checks them again, could refuse them)."""
         if after is not None and not self.engine.gpu:
             raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
-        if isinstance(keys, (bytes, bytearray, str)):
-            raise TypeError("keys must be a sequence of keys (bytes), not one key")
-        key_list = list(keys)
-        for position, key in enumerate(key_list):
-            if not isinstance(key, bytes):
-                raise TypeError(f"keys[{position}] is a {type(key).__name__}, not bytes")
+        key_list = checked_keys(keys)
         row_list = list(rows.tolist() if hasattr(rows, "tolist") else rows)
         if len(key_list) != len(row_list):
             raise ValueError(f"keys has {len(key_list)} entries but rows has {len(row_list)}")

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import crc32c
 
-from uring_kv._args import normalise_caches
+from uring_kv._args import checked_keys, normalise_caches
 from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._memory import HostBuffer
 from uring_kv._native import BlockCopier
@@ -275,7 +275,7 @@ class MooncakeTier(OpenClose):
     async def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Which keys the cluster holds now (a hint: a key may go before it is fetched); None
         when Mooncake was not asked or did not answer in time."""
-        names = [self.remote_key(key) for key in self._keys(keys)]
+        names = [self.remote_key(key) for key in checked_keys(keys)]
         if not names or not self.available:
             return None
         call = Call(self, [])
@@ -391,19 +391,11 @@ class MooncakeTier(OpenClose):
                                             [self.value_bytes] * len(names))
         return [0 if code == OBJECT_ALREADY_EXISTS else int(code) for code in codes]
 
-    def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        if isinstance(keys, (bytes, bytearray, str)):
-            raise TypeError("keys must be a sequence of keys (bytes), not one key")
-        key_list = list(keys)
-        for position, key in enumerate(key_list):
-            if not isinstance(key, bytes):
-                raise TypeError(f"keys[{position}] is a {type(key).__name__}, not bytes")
-        return key_list
 
     def _pairs(self, keys: Sequence[bytes], rows: Sequence[int]) -> list[tuple[bytes, int]]:
         if self._state != "open":
             raise EngineClosedError(f"Mooncake tier is {self._state}")
-        key_list = self._keys(keys)
+        key_list = checked_keys(keys)
         row_list = [int(row) for row in (rows.tolist() if hasattr(rows, "tolist") else rows)]
         if len(key_list) != len(row_list):
             raise ValueError(f"keys has {len(key_list)} entries but rows has {len(row_list)}")
