@@ -408,12 +408,17 @@ async def test_a_pump_hands_its_slots_to_a_waiting_batch(fault_fs: tuple[Path, F
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A long load holds every slot; a one-block load called after it gets the next slot that
     frees up instead of waiting for the long one to finish (with spare slots, a parked one).
-    Mutation tried: pumps refilling their slots whoever waits (the short load finished last)."""
+    The long load's second read is slower: its first slot frees up alone, the short load gets it,
+    and the long one takes the other free ones back at once, so their refills and the short
+    load's slot wait for I/O room together. Mutations tried: pumps refilling their slots whoever
+    waits; parked slots getting room pump by pump, the lowest id first (the short load finished
+    last: its parked slot got room only once the long one had no block left)."""
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=32)
     async with make_engine(caches, 16, path=mountpoint / "kv.bin", **slot_layout(layout, monkeypatch, 2)) as engine:
         await store_identity(engine, caches, 16)
         state.slow_down(0, 16 * engine.file.stride, 0.03, writes=False)
+        state.slow_down(engine.file.stride, engine.file.stride, 0.1, writes=False)
         finished: list[str] = []
 
         async def load(name: str, disk: list[int], gpu: list[int]) -> None:

@@ -33,7 +33,7 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
                               struct ukv_copier *copier, const uint64_t *dev_slots, unsigned copy_blocks) {
     size_t slots = max_slots ? max_slots : 1, blocks = nblocks ? nblocks : 1;
     size_t iovs = scatter && !write ? slots * ntensors : 0;
-    struct ukv_pump *p = calloc(1, sizeof *p + slots * sizeof(uint64_t) + iovs * sizeof(struct iovec) +
+    struct ukv_pump *p = calloc(1, sizeof *p + 2 * slots * sizeof(uint64_t) + iovs * sizeof(struct iovec) +
                                        slots * (2 * sizeof(int32_t) + 3 * sizeof(uint32_t) + 1) +
                                        blocks * (sizeof(uint32_t) + sizeof(int32_t)));
     if (!p) return NULL;
@@ -42,8 +42,9 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
     p->slot_offsets = slot_offsets; p->nblocks = nblocks; p->offsets = offsets; p->cache = cache;
     p->waiting = waiting; p->max_slots = max_slots;
     p->slot_addr = (uint64_t *)(p + 1); /* the 8-byte arrays first, then the 4-byte ones */
-    p->slot_iov = iovs ? (struct iovec *)(p->slot_addr + slots) : NULL;
-    p->slot_buf = (int32_t *)((char *)(p->slot_addr + slots) + iovs * sizeof(struct iovec));
+    p->park_seq = p->slot_addr + slots;
+    p->slot_iov = iovs ? (struct iovec *)(p->park_seq + slots) : NULL;
+    p->slot_buf = (int32_t *)((char *)(p->park_seq + slots) + iovs * sizeof(struct iovec));
     p->slot_block = p->slot_buf + slots;
     p->released = (uint32_t *)(p->slot_block + slots);
     p->failed = p->released + slots;
@@ -107,6 +108,7 @@ int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p) {
         if (!r->pumps[id]) {
             r->pumps[id] = p;
             p->id = id;
+            if (id >= r->pump_hi) r->pump_hi = id + 1;
             return id;
         }
     }
@@ -168,6 +170,7 @@ static void pump_park(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     p->state[s] = SLOT_IDLE;
     if (p->slot_block[s] < 0) p->parked_empty++;
     p->parked[(p->park_head + p->nparked++) % p->max_slots] = s;
+    p->park_seq[s] = r->park_clock++;
     r->nparked++;
 }
 
@@ -177,13 +180,18 @@ static void pump_due_copy(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     r->copies_due++;
 }
 
+/* Room for a pump I/O now: under the cap, and no parked slot waiting for it first, unless `queued`
+ * (the slot is the one whose turn it is). Parked slots get room in the order they parked, whatever
+ * their pump, so a refill never overtakes another batch's parked slot. */
+static int io_may_start(const struct ukv_ring *r, int queued) { return ring_has_room(r) && (queued || !r->nparked); }
+
 /* Start the pump's next block in the idle slot s it holds: a store with a copier first queues the
  * block's copy into the slot; anything else starts the block's I/O (after a memcpy into the slot
- * for a store without one), or parks the slot while the ring is at its cap. 0, or -EBUSY when no
- * SQE could be had (nothing started). */
-static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
+ * for a store without one), or parks the slot while there is no room (io_may_start). 0, or -EBUSY
+ * when no SQE could be had (nothing started). */
+static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int queued) {
     int copy_first = p->write && p->copier;
-    if (!copy_first && !ring_has_room(r)) {
+    if (!copy_first && !io_may_start(r, queued)) {
         pump_park(r, p, s);
         return 0;
     }
@@ -222,7 +230,7 @@ static void pump_failed(struct ukv_pump *p, unsigned s, int err) {
 static void pump_next_or_release(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     p->slot_block[s] = -1;
     p->state[s] = SLOT_IDLE;
-    if (pump_may_refill(p) && pump_begin(r, p, s) == 0) return;
+    if (pump_may_refill(p) && pump_begin(r, p, s, 0) == 0) return;
     pump_release(p, s);
 }
 
@@ -239,7 +247,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
         p->slot_buf[s] = bufs[i];
         p->inflight++;
         p->state[s] = SLOT_IDLE;
-        if (!p->stop && p->next < p->nblocks && pump_begin(r, p, s) == 0) kept++;
+        if (!p->stop && p->next < p->nblocks && pump_begin(r, p, s, 0) == 0) kept++;
         else pump_release(p, s);
     }
     if (p->ncopy) pump_flush(r, p);
@@ -284,10 +292,10 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
     pump_next_or_release(r, p, s);
 }
 
-/* A store's block is in slot s (its copy is done): write it, or park the slot while the ring is at
- * its cap. */
-static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
-    if (!ring_has_room(r)) {
+/* A store's block is in slot s (its copy is done): write it, or park the slot while there is no
+ * room (io_may_start). */
+static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int queued) {
+    if (!io_may_start(r, queued)) {
         pump_park(r, p, s);
         return;
     }
@@ -300,7 +308,7 @@ static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
 static void pump_copied(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int rc) {
     if (s >= p->max_slots || p->state[s] != SLOT_COPY) return;
     if (!rc && p->write) {
-        pump_write(r, p, s);
+        pump_write(r, p, s, 0);
         return;
     }
     if (rc) pump_failed(p, s, EIO);
@@ -323,27 +331,38 @@ static void pump_flush(struct ukv_ring *r, struct ukv_pump *p) {
     p->ncopy = 0;
 }
 
-/* Parked slots take the room there is, loads' pumps first; then every due copy is queued. Pumps
+/* The pump whose first parked slot's turn is next: loads' pumps before stores', then the order in
+ * which the slots parked. NULL when no attached pump has one. */
+static struct ukv_pump *next_parked(const struct ukv_ring *r) {
+    struct ukv_pump *next = NULL;
+    for (int id = 0; id < r->pump_hi; id++) {
+        struct ukv_pump *p = r->pumps[id];
+        if (!p || !p->nparked) continue;
+        if (!next || p->write < next->write ||
+            (p->write == next->write &&
+             p->park_seq[p->parked[p->park_head]] < next->park_seq[next->parked[next->park_head]]))
+            next = p;
+    }
+    return next;
+}
+
+/* Parked slots take the room there is, in turn (next_parked); then every due copy is queued. Pumps
  * that moved are marked touched. */
 static void pumps_settle(struct ukv_ring *r) {
-    for (int write = 0; write < 2 && r->nparked && ring_has_room(r); write++) {
-        for (int id = 0; id < UKV_MAX_PUMPS && ring_has_room(r); id++) {
-            struct ukv_pump *p = r->pumps[id];
-            if (!p || p->write != write || !p->nparked) continue;
-            touch(r, p);
-            while (p->nparked && ring_has_room(r)) {
-                unsigned s = p->parked[p->park_head];
-                p->park_head = (p->park_head + 1) % p->max_slots;
-                p->nparked--;
-                r->nparked--;
-                if (p->slot_block[s] >= 0) { /* a store's block, copied into the slot (there is room) */
-                    pump_write(r, p, s);
-                    continue;
-                }
-                p->parked_empty--;
-                if (!(pump_may_refill(p) && pump_begin(r, p, s) == 0)) pump_release(p, s);
-            }
+    while (r->nparked && ring_has_room(r)) {
+        struct ukv_pump *p = next_parked(r);
+        if (!p) break;
+        touch(r, p);
+        unsigned s = p->parked[p->park_head];
+        p->park_head = (p->park_head + 1) % p->max_slots;
+        p->nparked--;
+        r->nparked--;
+        if (p->slot_block[s] >= 0) { /* a store's block, copied into the slot (there is room) */
+            pump_write(r, p, s, 1);
+            continue;
         }
+        p->parked_empty--;
+        if (!(pump_may_refill(p) && pump_begin(r, p, s, 1) == 0)) pump_release(p, s);
     }
     for (int id = 0; id < UKV_MAX_PUMPS && r->copies_due; id++) {
         struct ukv_pump *p = r->pumps[id];

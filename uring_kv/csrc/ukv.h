@@ -72,6 +72,8 @@ struct ukv_ring {
     unsigned io_inflight; /* pump I/Os in flight */
     unsigned io_peak;     /* the most there ever were */
     unsigned nparked;     /* pumps' slots waiting for room under io_cap */
+    uint64_t park_clock;  /* slots parked so far: their turn for room (ukv_pump.park_seq) */
+    int pump_hi;          /* pump ids in use lie below this */
     unsigned copies_due;  /* pumps' slots whose copy is due, not yet queued as a job */
     int32_t touched[UKV_MAX_PUMPS]; /* pumps that moved in this call, each once */
     unsigned ntouched;
@@ -139,6 +141,7 @@ struct ukv_pump {
     unsigned ncopy;
     uint32_t *parked;          /* held slots waiting for I/O room, a ring buffer from park_head */
     unsigned park_head, nparked;
+    uint64_t *park_seq;        /* of each parked slot: the ring's park_clock when it parked */
     unsigned parked_empty;     /* of those, slots with no block yet (a load's next read) */
 };
 
