@@ -140,6 +140,7 @@ async def test_power_loss_never_serves_a_bad_block(fault_fs: tuple[Path, FaultSt
         child = context.Process(target=crashload.run, args=(str(path), round_, fsync, ready, progress))
         child.start()
         assert ready.wait(60), "the child did not open its store"
+        wait_for_puts(progress)  # so that the cut lands among the puts, however loaded the machine
         time.sleep(rng.uniform(0.02, 0.2))
         state.freeze()
         os.kill(child.pid, signal.SIGKILL)
@@ -152,8 +153,17 @@ async def test_power_loss_never_serves_a_bad_block(fault_fs: tuple[Path, FaultSt
         if fsync and refused:
             problems.append(f"round {round_}: {refused} blocks failed their crc32c check")
     assert not problems, "\n".join(problems[:20])
-    assert lost > POWER_CUTS and held_total > POWER_CUTS * crashload.CAPACITY // 4  # not vacuous
-    assert fsync or refused_total > 0  # without fsync, rows did outlive their bytes: the check caught them
+    totals = f"{lost} writes lost, {held_total} keys held, {refused_total} blocks refused"
+    assert lost > POWER_CUTS and held_total > POWER_CUTS * crashload.CAPACITY // 4, totals  # not vacuous
+    assert fsync or refused_total > 0, totals  # without fsync, rows did outlive their bytes: the check caught them
+
+
+def wait_for_puts(progress: Any, timeout: float = 60.0) -> None:
+    """Until the child's puts have stored a key (``progress`` counts them)."""
+    deadline = time.monotonic() + timeout
+    while not progress.value:
+        assert time.monotonic() < deadline, "the child stored nothing"
+        time.sleep(0.002)
 
 
 @pytest.mark.timeout(120)
