@@ -140,7 +140,9 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--block-size {block}: does not split into {args.layers} layers of a multiple "
                              "of 64 bytes each")
     device = _device(args.device)
-    directory = _directory(args.path)
+    if args.path and len(args.path) > 1:
+        return _bench_striped(args, block_sizes, device)
+    directory = _directory(args.path[0] if args.path else None)
     # the largest block file (each case's file is removed before the next is made)
     _free_space(directory, max(max(args.batch, args.size // b) * round_up(b, 4096) for b in block_sizes))
     config = BenchConfig(path=directory, size=args.size, block_sizes=block_sizes, layers=args.layers,
@@ -193,6 +195,22 @@ def _bench_lmcache(args: argparse.Namespace) -> int:
     chunks = max(args.chunk_size or [2 << 20])
     _free_space(args.path, max(args.bytes, args.job * chunks) + args.job * chunks)  # one adapter's files at a time
     return lmcache_bench.main(args)
+
+
+def _bench_striped(args: argparse.Namespace, block_sizes: list[int], device: Any) -> int:
+    from uring_kv._file import round_up
+    from uring_kv.bench.results import progress_printer
+    from uring_kv.bench.striping import bench_striped
+
+    paths = [_directory(path) for path in args.path]
+    if len({os.path.realpath(path) for path in paths}) < len(paths):
+        raise UsageError("--path: a directory appears twice (give one directory per drive)")
+    # per path, at the largest block size: a ceiling file and a stripe's (with room for uneven hashing)
+    share = max(max(2 * args.batch * round_up(block, 4096), args.size) for block in block_sizes) // len(paths)
+    for path in paths:
+        _free_space(path, share * 5 // 2 + (64 << 20))
+    return bench_striped(paths, block_sizes, args.size, args.batch, args.layers, args.io_depth, str(device),
+                         args.json, progress_printer("bench"))
 
 
 def _bench_mooncake(args: argparse.Namespace) -> int:
@@ -297,7 +315,9 @@ def _demo(args: argparse.Namespace) -> int:
     from uring_kv import Engine
 
     device = _device(args.device)
-    directory = _directory(args.path)
+    if args.path and len(args.path) > 1:
+        return _bench_striped(args, block_sizes, device)
+    directory = _directory(args.path[0] if args.path else None)
 
     async def main() -> None:
         caches = {f"layer{i}": torch.randn(64, 16, 128, device=device).to(torch.bfloat16) for i in range(8)}
@@ -327,7 +347,9 @@ def _soak(args: argparse.Namespace) -> int:
     from uring_kv.testing import soak
 
     device = _device(args.device)
-    directory = _directory(args.path)
+    if args.path and len(args.path) > 1:
+        return _bench_striped(args, block_sizes, device)
+    directory = _directory(args.path[0] if args.path else None)
     console = Console(stderr=True)
     print(f"soak on {device}: {args.blocks} blocks of 8 layers × 4 KiB, {args.workers} workers × batches of 8 "
           f"over 256 disk blocks, {args.slots} slots, cancel rate {args.cancel_rate:g}; on a 2-core machine "
@@ -358,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     defaults = _Defaults
     bench = sub.add_parser("bench", help="measure loads and stores against peers and ceilings",
                            formatter_class=defaults)
-    bench.add_argument("--path", help="directory for the block file (default: the temp directory)")
+    bench.add_argument("--path", action="append",
+                       help="directory for the block file (default: the temp directory); repeated, one per "
+                            "drive: a striped store over one file in each, against each drive's ceiling "
+                            "(of the options below, the block sizes, --size, --layers, --batch, --io-depth, "
+                            "--device and --json apply)")
     bench.add_argument("--size", type=_size, default=1 << 30, help="file size per block size")
     bench.add_argument("--block-size", type=_size, action="append",
                        help="bytes per block (repeatable; default 128K and 2M)")
