@@ -115,6 +115,8 @@ def test_bench_output_fits_100_columns_with_the_verdict_first(tmp_path: Path) ->
     (["--path", "{missing}"], "--path: {missing} does not exist"),
     (["--path", "{file}"], "--path: {file} is not a directory"),
     (["--size", "1T"], "--path: {tmp} has "),
+    (["--path", "{tmp}", "--path", "{tmp}"], "--path: a directory appears twice (give one directory per drive)"),
+    (["--path", "{tmp}", "--path", "{missing}"], "--path: {missing} does not exist"),
 ])
 def test_bench_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
     if "cuda" in args and torch.cuda.is_available():
@@ -559,3 +561,52 @@ def test_a_store_method_that_writes_nothing_is_not_verified(tmp_path: Path) -> N
             return {name: tally.verified for name, tally in tallies.items()}
 
     assert asyncio.run(run()) == {"honest": True, "idle": False, "half": False}
+
+
+def test_striped_bench_has_every_row_and_checks_the_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --path A --path B``: per block size, each directory's ring ceiling, their sum, the
+    ceilings at once, and the striped store's puts and gets, whose rows are checked; the gets'
+    ratios to the ceilings are in the JSON, and nothing is left in the directories."""
+    drives = [tmp_path / "a", tmp_path / "b"]
+    for drive in drives:
+        drive.mkdir()
+    out = tmp_path / "striped.json"
+    code = main(["bench", "--path", str(drives[0]), "--path", str(drives[1]), "--size", "2M", "--block-size", "64K",
+                 "--block-size", "128K", "--layers", "4", "--batch", "8", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    results = json.loads(out.read_text())["results"]
+    for block in (64 << 10, 128 << 10):
+        rows = {r["method"]: r for r in results if r["block_bytes"] == block}
+        assert sorted(rows) == sorted([f"ring ceiling {drives[0]}", f"ring ceiling {drives[1]}", "sum of the ceilings",
+                                       "ring ceilings at once", "uring_kv striped put", "uring_kv striped get, as put",
+                                       "uring_kv striped get, random keys"])
+        assert all(r["verified"] and r["gbps"] > 0 for r in rows.values())
+        alone = rows[f"ring ceiling {drives[0]}"]["gbps"] + rows[f"ring ceiling {drives[1]}"]["gbps"]
+        assert rows["sum of the ceilings"]["gbps"] == pytest.approx(alone)
+        for get in (rows["uring_kv striped get, as put"], rows["uring_kv striped get, random keys"]):
+            assert get["ratios"]["sum of the ceilings"] == pytest.approx(get["gbps"] / alone)
+            assert set(get["ratios"]) == {"sum of the ceilings", "ring ceilings at once"}
+    assert "÷ sum of the ceilings" in printed
+    assert [list(drive.iterdir()) for drive in drives] == [[], []]
+
+
+def test_striped_bench_reports_wrong_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A get that puts two keys' bytes in each other's rows: the row says NO and the exit status is 1."""
+    import uring_kv
+
+    real_get = uring_kv.StripedBlockStore.get
+
+    async def swapped(self: Any, keys: list[bytes], rows: list[int], after: Any = None) -> None:
+        await real_get(self, keys, [rows[1], rows[0], *rows[2:]], after)
+
+    monkeypatch.setattr(uring_kv.StripedBlockStore, "get", swapped)
+    drives = [tmp_path / "a", tmp_path / "b"]
+    for drive in drives:
+        drive.mkdir()
+    code = main(["bench", "--path", str(drives[0]), "--path", str(drives[1]), "--size", "1M", "--block-size", "64K",
+                 "--layers", "4", "--batch", "8"])
+    printed = capsys.readouterr().out
+    assert code == 1
+    assert [line.split()[-1] for line in printed.splitlines() if line.startswith("uring_kv striped get")] == ["NO", "NO"]

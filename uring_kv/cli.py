@@ -315,9 +315,7 @@ def _demo(args: argparse.Namespace) -> int:
     from uring_kv import Engine
 
     device = _device(args.device)
-    if args.path and len(args.path) > 1:
-        return _bench_striped(args, block_sizes, device)
-    directory = _directory(args.path[0] if args.path else None)
+    directory = _directory(args.path)
 
     async def main() -> None:
         caches = {f"layer{i}": torch.randn(64, 16, 128, device=device).to(torch.bfloat16) for i in range(8)}
@@ -347,9 +345,7 @@ def _soak(args: argparse.Namespace) -> int:
     from uring_kv.testing import soak
 
     device = _device(args.device)
-    if args.path and len(args.path) > 1:
-        return _bench_striped(args, block_sizes, device)
-    directory = _directory(args.path[0] if args.path else None)
+    directory = _directory(args.path)
     console = Console(stderr=True)
     print(f"soak on {device}: {args.blocks} blocks of 8 layers × 4 KiB, {args.workers} workers × batches of 8 "
           f"over 256 disk blocks, {args.slots} slots, cancel rate {args.cancel_rate:g}; on a 2-core machine "

@@ -11,14 +11,21 @@ Some facts, and what follows here:
   once (``LoopServices.gather``): a batch fans out across the drives, each stripe filling its own
   ring. One ring for all files would share one depth and one slot pool among drives that complete
   at their own pace.
-* Keys are content hashes, but nothing says which of their bytes are uniform: the stripe is the
-  blake2b of the key modulo the number of stripes. Placement is a pure function of the key and the
-  stripe count, so lookups (``contains``, ``lookup``) go straight to one stripe, from any thread,
-  and a persistent stripe set finds each key where it put it after a restart. Each persistent
-  stripe's fingerprint names its place ("stripe 2 of 4"), so paths reordered or added between runs
-  are refused (``GeometryMismatchError``) instead of looked up in the wrong file.
+* A call waits for its slowest part, so a batch's keys must split evenly: with placement by hash,
+  256 keys over 4 stripes gave the fullest stripe 16-28% more keys than an even share, and that
+  was what the batches cost (``docs/performance.md``). So a put places each key it finds in no
+  stripe on the stripe with the fewest of the call's keys so far, ties going round a turn that
+  moves on with every key placed (one-key puts go round the stripes). Blocks stored together are
+  read together (a request's prefix), so the gets split as evenly as the puts did. A key held
+  somewhere stays there (a put of it again refreshes it in its stripe), and a key some put is
+  placing goes where that put sends it, so one key is in at most one stripe.
+* Lookups (``contains``, ``lookup``, ``stripe_of``) ask every stripe (a dict lookup each, from any
+  thread); a persistent stripe set finds each key in whichever file's index holds it after a
+  restart. Each persistent stripe's fingerprint names its place ("stripe 2 of 4"), so paths
+  reordered or added between runs are refused (``GeometryMismatchError``): a set of files is
+  reopened as the set it was.
 * The capacity is split evenly and each stripe evicts its own least recently used key: with
-  uniform placement that is a sharded LRU, not one global order.
+  even placement that is a sharded LRU, not one global order.
 * Failures stay per stripe: a drive that fails turns its keys into failures and misses
   (``KeyIOError`` naming them), and the other stripes' keys of the same call land or load.
 """
@@ -26,7 +33,6 @@ Some facts, and what follows here:
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -45,7 +51,8 @@ class StripedBlockStore:
     one block more when it does not divide). ``num_slots`` and ``engine_options`` apply to each
     stripe's engine (``stripes[i].engine``): pinned memory is ``len(paths)`` times a single store's.
     ``persistent``, ``fingerprint`` and ``fsync``: as for :class:`BlockStore`, per file (each file
-    has its index beside it). A key's stripe is the blake2b of the key modulo ``len(paths)``.
+    has its index beside it). A put places each new key on the stripe with the fewest of the call's
+    keys (see the module docstring); a key held already stays in its stripe.
 
     A put or get runs its stripes' parts at once and raises one :class:`KeyIOError` naming every
     key that failed, in any stripe; the others landed or loaded. ``get`` checks every key first
@@ -75,13 +82,19 @@ class StripedBlockStore:
                                    else fingerprint, **engine_options)
                         for position, (path, share) in enumerate(zip(resolved, shares, strict=True))]
         self._svc: LoopServices | None = None
+        self._placing: dict[bytes, list[int]] = {}  # keys puts are placing: [stripe, puts placing it]
+        self._turn = 0  # the stripe that takes the next new key among equally full ones
 
-    def stripe_of(self, key: bytes) -> int:
-        """The stripe (index into ``paths``) that holds ``key``."""
-        if len(self.stripes) == 1:
-            return 0
-        digest = hashlib.blake2b(key, digest_size=8).digest()
-        return int.from_bytes(digest, "little") % len(self.stripes)
+    def stripe_of(self, key: bytes) -> int | None:
+        """The stripe (index into ``paths``) that holds ``key`` now, or one that a put is placing it
+        on; None when neither."""
+        placing = self._placing.get(key)
+        if placing is not None:
+            return placing[0]
+        for position, stripe in enumerate(self.stripes):
+            if stripe.contains(key):
+                return position
+        return None
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> StripedBlockStore:
@@ -119,8 +132,8 @@ class StripedBlockStore:
 
     # ----------------------------------------------------------------- lookups (any thread)
     def contains(self, key: bytes) -> bool:
-        """Whether ``key`` is visible now, in its stripe (see :meth:`BlockStore.contains`)."""
-        return self.stripes[self.stripe_of(key)].contains(key)
+        """Whether ``key`` is visible now, in some stripe (see :meth:`BlockStore.contains`)."""
+        return any(stripe.contains(key) for stripe in self.stripes)
 
     def lookup(self, keys: Iterable[bytes]) -> int:
         """How many of ``keys``, from the first, are visible now; no I/O, any thread."""
@@ -144,19 +157,29 @@ class StripedBlockStore:
     async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """:meth:`BlockStore.put`, each key in its stripe, the stripes at once."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=True)
-        await self._fan_out("put", key_list, row_list, after)
+        self._check_open()
+        parts = self._place(key_list, row_list)
+        try:
+            await self._fan_out("put", key_list, parts, after)
+        finally:
+            for key in key_list:
+                entry = self._placing[key]
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._placing[key]
 
     async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """:meth:`BlockStore.get`, each key from its stripe, the stripes at once."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
-        if missing := [key for key in key_list if not self.contains(key)]:
+        parts, missing = self._split(key_list, row_list)
+        if missing:
             raise KeyMissingError(missing)
-        await self._fan_out("get", key_list, row_list, after)
+        await self._fan_out("get", key_list, parts, after)
 
     async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
         """:meth:`BlockStore.get_present`, over the stripes at once: the keys loaded, in call order."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
-        parts = self._split(key_list, row_list)
+        parts, _ = self._split(key_list, row_list)
         svc = self._check_open()
         loaded = await svc.gather([self.stripes[position].get_present(part_keys, part_rows, after)
                                    for position, (part_keys, part_rows) in parts.items()])
@@ -164,15 +187,47 @@ class StripedBlockStore:
         return [key for key in key_list if key in held]
 
     # ----------------------------------------------------------------- internals
-    def _split(self, keys: list[bytes], rows: list[int]) -> dict[int, tuple[list[bytes], list[int]]]:
+    def _split(self, keys: list[bytes], rows: list[int]
+               ) -> tuple[dict[int, tuple[list[bytes], list[int]]], list[bytes]]:
+        """The keys and rows of each stripe that holds some of ``keys`` (visible there), and the
+        keys no stripe holds."""
         parts: dict[int, tuple[list[bytes], list[int]]] = {}
+        missing = []
         for key, row in zip(keys, rows, strict=True):
-            part = parts.setdefault(self.stripe_of(key), ([], []))
+            position = next((n for n, stripe in enumerate(self.stripes) if stripe.contains(key)), None)
+            if position is None:
+                missing.append(key)
+                continue
+            part = parts.setdefault(position, ([], []))
+            part[0].append(key)
+            part[1].append(row)
+        return parts, missing
+
+    def _place(self, keys: list[bytes], rows: list[int]) -> dict[int, tuple[list[bytes], list[int]]]:
+        """A put's parts: a key held or being placed goes to that stripe, each other one to the
+        stripe with the fewest of the call's keys so far (ties: the first from ``_turn`` on).
+        Every key is registered in ``_placing`` until the put ends."""
+        count = len(self.stripes)
+        where = [self.stripe_of(key) for key in keys]
+        sizes = [0] * count
+        for position in where:
+            if position is not None:
+                sizes[position] += 1
+        parts: dict[int, tuple[list[bytes], list[int]]] = {}
+        for key, row, position in zip(keys, rows, where, strict=True):
+            if position is None:
+                position = min(range(count), key=lambda n: (sizes[n], (n - self._turn) % count))
+                sizes[position] += 1
+                self._turn = (position + 1) % count
+            entry = self._placing.setdefault(key, [position, 0])
+            entry[1] += 1
+            part = parts.setdefault(position, ([], []))
             part[0].append(key)
             part[1].append(row)
         return parts
 
-    async def _fan_out(self, op: str, keys: list[bytes], rows: list[int], after: Any) -> None:
+    async def _fan_out(self, op: str, keys: list[bytes], parts: dict[int, tuple[list[bytes], list[int]]],
+                       after: Any) -> None:
         svc = self._check_open()
 
         async def part(position: int, part_keys: list[bytes], part_rows: list[int]) -> dict[bytes, int]:
@@ -186,7 +241,7 @@ class StripedBlockStore:
             return {}
 
         results = await svc.gather([part(position, part_keys, part_rows)
-                                    for position, (part_keys, part_rows) in self._split(keys, rows).items()])
+                                    for position, (part_keys, part_rows) in parts.items()])
         failures = {key: code for result in results for key, code in result.items()}
         if failures:
             raise KeyIOError(op, {key: failures[key] for key in keys if key in failures})

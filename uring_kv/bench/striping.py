@@ -9,12 +9,16 @@ Per block size, the same bytes in every row (``--size`` in all, split evenly ove
 * ``sum of the ceilings``: their sum, the target the issue set: striping at or above 0.9 of it;
 * ``ring ceilings at once``: the same loops on every file at the same time, one thread each: what
   the drives give together on this machine (a shared bus, CPU or page cache shows up here);
-* ``uring_kv striped put`` / ``get``: ``put`` and ``get`` of ``--batch`` keys at a time, back to
-  back (the cache has a row per key), the keys spread over the files by hash, each stripe's engine
-  at ``--io-depth``; the gets take the keys in random order, every row is compared with its key's
-  bytes after the last one, and the first batch of each is not counted.
+* ``uring_kv striped put``: ``put`` of ``--batch`` new keys at a time, back to back (the cache has a
+  row per key), each stripe's engine at ``--io-depth``;
+* ``uring_kv striped get, as put``: ``get`` of the same batches (a request's blocks are read as
+  they were stored), in random order, the keys shuffled in each;
+* ``uring_kv striped get, random keys``: ``get`` of batches of keys drawn at random from all of
+  them: each batch splits over the stripes unevenly, and waits for its fullest.
 
-The ratios are the striped get's GB/s over the sum of the ceilings and over the ceilings at once.
+Every row a get fills is compared with its key's bytes after the row's last batch; the first batch
+of each row is not counted. The ratios are each get row's GB/s over the sum of the ceilings and
+over the ceilings at once.
 """
 
 from __future__ import annotations
@@ -142,24 +146,34 @@ async def _striped(paths: list[str], block_bytes: int, blocks: int, batch: int, 
     rows = _rows(layers, blocks, block_bytes, device)
     keys = [f"stripe-bench/{block_bytes}/{index}".encode() for index in range(blocks)]
     slots = max(depth, 16)
-    put_times, get_times = [], []
+    put_times: list[float] = []
     files = [os.path.join(path, "uring-kv-striped.bin") for path in paths]  # unnamed files in those directories
-    # keys land on the stripes by hash, not evenly: room for a quarter more, so that none is evicted
+    shuffle = random.Random(7)
+    as_put = [list(range(first, first + batch)) for first in range(0, blocks, batch)]
+    shuffle.shuffle(as_put)
+    for plan in as_put:
+        shuffle.shuffle(plan)
+    plans = {"as put": as_put, "random keys": _batches(blocks, batch, 7)}
+    results = []
+    # room for a quarter more than the keys: the stripes' capacities are not all used evenly
     async with StripedBlockStore(rows, files, blocks + blocks // 4, slots, io_depth=depth) as store:
-        for first in range(0, blocks - batch + 1, batch):
+        for first in range(0, blocks, batch):
             started = time.perf_counter()
             await store.put(keys[first:first + batch], range(first, first + batch))
             put_times.append(time.perf_counter() - started)
-        for tensor in rows.values():
-            tensor.zero_()
-        for plan in _batches(blocks, batch, 7):  # random keys, each into its own row
-            started = time.perf_counter()
-            await store.get([keys[i] for i in plan], plan)
-            get_times.append(time.perf_counter() - started)
-    right = _check(rows)
-    # the first batch of each is a warm-up (slots faulted in, the rings' first submissions)
-    return [_row("uring_kv striped put", block_bytes, put_times[1:], batch * (len(put_times) - 1)),
-            _row("uring_kv striped get", block_bytes, get_times[1:], batch * (len(get_times) - 1), right)]
+        # the first batch of each row is a warm-up (slots faulted in, the rings' first submissions)
+        results.append(_row("uring_kv striped put", block_bytes, put_times[1:], batch * (len(put_times) - 1)))
+        for name, order in plans.items():
+            for tensor in rows.values():
+                tensor.zero_()
+            get_times = []
+            for plan in order:  # each key into its own row
+                started = time.perf_counter()
+                await store.get([keys[i] for i in plan], plan)
+                get_times.append(time.perf_counter() - started)
+            results.append(_row(f"uring_kv striped get, {name}", block_bytes, get_times[1:],
+                                batch * (len(get_times) - 1), _check(rows)))
+    return results
 
 
 def bench_striped(paths: list[str], block_sizes: list[int], total_bytes: int, batch: int, layers: int,
@@ -176,9 +190,9 @@ def bench_striped(paths: list[str], block_sizes: list[int], total_bytes: int, ba
         ceilings = _ceilings(paths, block_bytes, share, min(batch, share), depth)
         progress(f"{block_bytes >> 10} KiB: uring_kv striped over {len(paths)} files")
         striped = asyncio.run(_striped(paths, block_bytes, blocks, batch, layers, depth, device))
-        get = striped[-1]
-        for ceiling in ceilings[-2:]:
-            get.ratios[ceiling.method] = get.gbps / ceiling.gbps if ceiling.gbps else float("inf")
+        for get in striped[1:]:
+            for ceiling in ceilings[-2:]:
+                get.ratios[ceiling.method] = get.gbps / ceiling.gbps if ceiling.gbps else float("inf")
         results += ceilings + striped
     width = max(28, *(len(r.method) + 2 for r in results))
     lines = [f"{'method':<{width}}{'block':>8}{'GB/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'batches':>9}  checked"]
