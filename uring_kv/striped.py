@@ -12,8 +12,8 @@ Some facts, and what follows here:
   ring. One ring for all files would share one depth and one slot pool among drives that complete
   at their own pace.
 * A call waits for its slowest part, so a batch's keys must split evenly: with placement by hash,
-  256 keys over 4 stripes gave the fullest stripe 16-28% more keys than an even share, and that
-  was what the batches cost (``docs/performance.md``). So a put places each key it finds in no
+  batches of 256 random keys over 4 stripes gave the fullest stripe 14-19% more keys than an even
+  share on average, and that was what the batches cost (``docs/performance.md``). So a put places each key it finds in no
   stripe on the stripe with the fewest of the call's keys so far, ties going round a turn that
   moves on with every key placed (one-key puts go round the stripes). Blocks stored together are
   read together (a request's prefix), so the gets split as evenly as the puts did. A key held
