@@ -609,4 +609,5 @@ def test_striped_bench_reports_wrong_bytes(tmp_path: Path, monkeypatch: pytest.M
                  "--layers", "4", "--batch", "8"])
     printed = capsys.readouterr().out
     assert code == 1
-    assert [line.split()[-1] for line in printed.splitlines() if line.startswith("uring_kv striped get")] == ["NO", "NO"]
+    gets = [line.split()[-1] for line in printed.splitlines() if line.startswith("uring_kv striped get")]
+    assert gets == ["NO", "NO"]

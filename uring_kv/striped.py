@@ -13,12 +13,12 @@ Some facts, and what follows here:
   at their own pace.
 * A call waits for its slowest part, so a batch's keys must split evenly: with placement by hash,
   batches of 256 random keys over 4 stripes gave the fullest stripe 14-19% more keys than an even
-  share on average, and that was what the batches cost (``docs/performance.md``). So a put places each key it finds in no
-  stripe on the stripe with the fewest of the call's keys so far, ties going round a turn that
-  moves on with every key placed (one-key puts go round the stripes). Blocks stored together are
-  read together (a request's prefix), so the gets split as evenly as the puts did. A key held
-  somewhere stays there (a put of it again refreshes it in its stripe), and a key some put is
-  placing goes where that put sends it, so one key is in at most one stripe.
+  share on average, and that was what the batches cost (``docs/performance.md``). So a put places
+  each key it finds in no stripe on the stripe with the fewest of the call's keys so far, ties
+  going round a turn that moves on with every key placed (one-key puts go round the stripes).
+  Blocks stored together are read together (a request's prefix), so the gets split as evenly as
+  the puts did. A key held somewhere stays there (a put of it again refreshes it in its stripe),
+  and a key some put is placing goes where that put sends it, so one key is in at most one stripe.
 * Lookups (``contains``, ``lookup``, ``stripe_of``) ask every stripe (a dict lookup each, from any
   thread); a persistent stripe set finds each key in whichever file's index holds it after a
   restart. Each persistent stripe's fingerprint names its place ("stripe 2 of 4"), so paths
