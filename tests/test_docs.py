@@ -148,3 +148,10 @@ def test_docs_link_every_figure_and_every_linked_figure_exists() -> None:
     assert not [link for link in links if not fnmatch.filter(files, link)], "a doc links a figure that is gone"
     unlinked = [name for name in files if not any(fnmatch.fnmatch(name, link) for link in links)]
     assert not unlinked, f"docs/figures/ holds files no doc links (remove them): {unlinked}"
+
+
+def test_performance_page_stays_a_current_summary() -> None:
+    """docs/performance.md holds one current table per machine, not a history: at most 250 lines
+    (each framework's page keeps its own tables and runs)."""
+    lines = (ROOT / "docs" / "performance.md").read_text().count("\n")
+    assert lines <= 250, f"docs/performance.md has {lines} lines: move detail to the framework pages or git history"
