@@ -39,17 +39,19 @@ def keys(*numbers: int) -> list[bytes]:
     return [make_offload_key(n.to_bytes(8, "big"), 0) for n in numbers]
 
 
-def make_manager(root: Path, primary_rows: int, capacity_rows: int, **tier: object) -> object:
+def make_manager(root: Path | list[str], primary_rows: int, capacity_rows: int, model: str = "m",
+                 **tier: object) -> object:
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=ROW,
         enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": primary_rows * ROW,
                       "secondary_tiers": [{"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm",
-                                           "root_dir": str(root), "capacity_bytes": capacity_rows * ROW,
+                                           "root_dir": root if isinstance(root, list) else str(root),
+                                           "capacity_bytes": capacity_rows * ROW,
                                            **tier}]},
         engine_id=f"uring-kv-test-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(name="m", dtype="float16"),
+        model=OffloadingModelConfig(name=model, dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
@@ -62,7 +64,8 @@ class Run:
     """vLLM's manager with our tier, and the GPU worker's part played by hand: writing a row of the
     primary region when vLLM asks for a store, reading it when vLLM has it loaded."""
 
-    def __init__(self, root: Path, primary_rows: int = 4, capacity_rows: int = 64, **tier: object) -> None:
+    def __init__(self, root: Path | list[str], primary_rows: int = 4, capacity_rows: int = 64,
+                 **tier: object) -> None:
         self.manager: object = make_manager(root, primary_rows, capacity_rows, **tier)
         self.tier: UringKVTier = self.manager.secondary_tiers[0]  # type: ignore[attr-defined]
         self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview())  # type: ignore[attr-defined]
@@ -395,3 +398,54 @@ def test_bench_vllm_compares_both_tiers_on_verified_bytes(tmp_path: Path) -> Non
     assert all(r["verified"] and r["gbps"] > 0 and r["jobs"] == 8 for r in results)
     assert sum("× the GB/s" in line for line in done.stdout.splitlines()) == 2
     assert list(work.iterdir()) == []
+
+
+def test_a_persistent_tier_serves_its_rows_after_a_restart(tmp_path: Path) -> None:
+    """``persistent: true``: rows cascaded before a shutdown are HITs after vLLM starts again with
+    the same configuration, and promote byte-identical; another model's run (same row size, same
+    keys) opens a file of its own and finds nothing, never the first model's rows."""
+    first = Run(tmp_path, persistent=True)
+    ks = keys(1, 2, 3)
+    try:
+        first.store("r1", ks)
+        stored = dict(first.stored)
+    finally:
+        first.close()
+    again = Run(tmp_path, persistent=True)
+    try:
+        assert [again.tier.lookup(k, ReqContext(req_id="q")) for k in ks] == [LookupResult.HIT] * 3
+        assert again.promote("r2", ks) == [LookupResult.HIT] * 3
+        for k, got in zip(ks, again.loaded_bytes("r2", ks), strict=True):
+            assert np.array_equal(got, stored[k])
+    finally:
+        again.close()
+    other = Run(tmp_path, persistent=True, model="another-model")
+    try:
+        assert [other.tier.lookup(k, ReqContext(req_id="q")) for k in ks] == [LookupResult.MISS] * 3
+    finally:
+        other.close()
+    files = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".bin"))
+    assert len(files) == 2 and all(name.startswith("uring-kv-vllm-tier-") for name in files), files
+
+
+def test_a_tier_over_several_directories_stripes_its_rows(tmp_path: Path) -> None:
+    """``root_dir`` a list: one file per directory, each cascade's rows split evenly over them,
+    promoted back byte-identical; fsync without persistence is refused."""
+    drives = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for drive in drives:
+        drive.mkdir()
+    r = Run([str(d) for d in drives], primary_rows=8)
+    try:
+        ks = keys(*range(8))
+        r.store("r1", ks)
+        assert r.tier.stats()["stripes"] == 2
+        assert [stripe.stats()["keys"] for stripe in r.tier._store.store.stripes] == [4, 4]  # type: ignore[union-attr]
+        reset_primary(r)
+        r.rows[:] = 0
+        assert r.promote("r2", ks) == [LookupResult.HIT] * 8
+        for k, got in zip(ks, r.loaded_bytes("r2", ks), strict=True):
+            assert np.array_equal(got, r.stored[k])
+    finally:
+        r.close()
+    with pytest.raises(ValueError, match="fsync applies to a persistent tier"):
+        Run(tmp_path, fsync=True)

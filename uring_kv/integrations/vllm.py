@@ -3,8 +3,9 @@
 vLLM keeps offloaded KV in a CPU *primary* region (one row per chunk, shared memory) and cascades
 rows to secondary tiers, promoting them back on a primary miss. This tier keeps those rows in one
 file through a :class:`uring_kv.BlockStore` (CPU mode over the primary region: io_uring reads and
-writes straight between the file and the rows), with a hard capacity and LRU eviction. Configure
-it in ``kv_connector_extra_config``::
+writes straight between the file and the rows), or striped over one file per drive, with a hard
+capacity and LRU eviction, and optionally across restarts. Configure it in
+``kv_connector_extra_config``::
 
     "secondary_tiers": [{"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm",
                          "root_dir": "/nvme/kv", "capacity_bytes": 500_000_000_000}]
@@ -21,14 +22,17 @@ thread and must not block):
 * ``get_finished_jobs``: every job that ended since the last call, each exactly once, with the
   time it took and the bytes it moved (what vLLM's backpressure detector weighs).
 * ``drain_jobs``: waits until every submitted job has reported. ``shutdown``: finishes the jobs in
-  flight, closes the store (its file has no name: nothing is left on disk) and lets go of the
-  primary region, so vLLM can unmap it.
+  flight, closes the store (its file has no name: nothing is left on disk; a persistent tier's
+  file and index stay for the next start) and lets go of the primary region, so vLLM can unmap it.
 """
 
 from __future__ import annotations
 
 import collections
 import gc
+import hashlib
+import json
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -48,27 +52,42 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
     """A vLLM secondary tier on a uring_kv block store (see the module docstring).
 
     Configuration keys (beyond vLLM's own ``type``, ``module_path``, ``backpressure``):
-    ``root_dir`` (the directory of the file), ``capacity_bytes`` (the most the file holds: rows
-    are evicted, least recently used first, to stay within it), and optionally ``num_slots``
-    (staging slots, default 16), ``io_depth`` (reads and writes in flight; default: the slots),
+    ``root_dir`` (the directory of the file, or a list of directories, one per drive: the rows are
+    striped over a file in each), ``capacity_bytes`` (the most the files hold: rows are evicted,
+    least recently used first, to stay within it), and optionally ``num_slots`` (staging slots per
+    file, default 16), ``io_depth`` (reads and writes in flight per file; default: the slots),
     ``direct`` (None: O_DIRECT where the filesystem takes it), ``io`` ("auto", "uring",
-    "threads")."""
+    "threads"), ``persistent`` (keep the rows across restarts; see :func:`run_fingerprint`) and
+    ``fsync`` (with ``persistent``: sync before a key becomes visible; default True)."""
 
     medium = Medium.STORAGE
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, *, root_dir: str, capacity_bytes: int, num_slots: int = 16,
-                 io_depth: int | None = None, direct: bool | None = None, io: str | None = None,
+                 backpressure_detector: Any = None, *, root_dir: str | list[str], capacity_bytes: int,
+                 num_slots: int = 16, io_depth: int | None = None, direct: bool | None = None,
+                 io: str | None = None, persistent: bool = False, fsync: bool | None = None,
                  locality: str | None = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        directories = [root_dir] if isinstance(root_dir, str) else list(root_dir)
+        if not directories or not all(isinstance(d, str) and d for d in directories):
+            raise ValueError(f"UringKVTier: root_dir must be a directory or a list of them, got {root_dir!r}")
         rows = np.asarray(primary_kv_view)
         if rows.ndim != 2 or not rows.flags.c_contiguous:
             raise ValueError(f"UringKVTier: the primary view must be C-contiguous rows, got shape {rows.shape}")
         self._row_bytes = int(rows.strides[0])
+        name, kept = "uring-kv-vllm-tier.bin", dict[str, Any]()
+        if persistent:
+            fingerprint = run_fingerprint(offloading_spec, self._row_bytes)
+            # one file per run configuration: another model's rows are in another file, never refused
+            name = f"uring-kv-vllm-tier-{hashlib.sha256(fingerprint.encode()).hexdigest()[:12]}.bin"
+            kept = {"persistent": True, "fingerprint": fingerprint, "fsync": fsync}
+        elif fsync is not None:
+            raise ValueError("UringKVTier: fsync applies to a persistent tier (persistent: true)")
+        paths = [os.path.join(directory, name) for directory in directories]
         # The rows as the engine's one cache tensor (dim 0 = chunk), sharing the region's memory.
         self._store: SyncBlockStore | None = SyncBlockStore(
-            {"primary": torch.from_numpy(rows)}, f"{root_dir.rstrip('/')}/uring-kv-vllm-tier.bin",
-            capacity_bytes=capacity_bytes, num_slots=num_slots, io_depth=io_depth, direct=direct, io=io)
+            {"primary": torch.from_numpy(rows)}, paths[0] if len(paths) == 1 else paths,
+            capacity_bytes=capacity_bytes, num_slots=num_slots, io_depth=io_depth, direct=direct, io=io, **kept)
         del rows
         self._finished: collections.deque[JobResult] = collections.deque()
         self._outstanding = 0
@@ -168,4 +187,17 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
         return store.stats() if store is not None else {}
 
 
-__all__ = ["UringKVTier"]
+def run_fingerprint(offloading_spec: Any, row_bytes: int) -> str:
+    """What a persistent tier's rows are valid for: vLLM's own description of the run (the fields
+    its fs tier names its directory by: model, KV dtype, tokens per hash, chunk size, parallel
+    layout, KV cache groups and layers), this worker's rank and the row size, as JSON. A restart
+    with the same configuration reopens the file; any other configuration opens another file."""
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    mapper = FileMapper.from_offloading_spec(root_dir="", offloading_spec=offloading_spec,
+                                             blocks_per_file=offloading_spec.blocks_per_chunk)
+    return json.dumps({"run": mapper.get_run_config(), "rank": mapper.rank, "row_bytes": row_bytes},
+                      sort_keys=True)
+
+
+__all__ = ["UringKVTier", "run_fingerprint"]
