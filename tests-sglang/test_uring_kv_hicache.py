@@ -91,16 +91,18 @@ def keys(*numbers: int) -> list[str]:
     return [f"{n:064x}" for n in numbers]  # SGLang's keys: hex page hashes
 
 
-def storage_config(root: Path, capacity_pages: int = 64, **extra: Any) -> HiCacheStorageConfig:
+def storage_config(root: Path | list[str], capacity_pages: int = 64, model: str = "m",
+                   **extra: Any) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=True, model_name="m",
+        enable_storage_metrics=False, is_page_first_layout=True, model_name=model,
         extra_config={"backend_name": "uring_kv", "module_path": "uring_kv.integrations.sglang",
-                      "class_name": "UringKVHiCacheStorage", "interface_v1": 1, "root_dir": str(root),
+                      "class_name": "UringKVHiCacheStorage", "interface_v1": 1,
+                      "root_dir": root if isinstance(root, list) else str(root),
                       "capacity_bytes": capacity_pages * PAGE_BYTES, **extra})
 
 
-def make(root: Path, pool: HostPool, capacity_pages: int = 64, **extra: Any) -> UringKVHiCacheStorage:
+def make(root: Path | list[str], pool: HostPool, capacity_pages: int = 64, **extra: Any) -> UringKVHiCacheStorage:
     """As SGLang's cache controller attaches a storage backend: the factory, then the host pool."""
     backend = StorageBackendFactory.create_backend("dynamic", storage_config(root, capacity_pages, **extra), pool)
     backend.register_mem_pool_host(pool)
@@ -366,3 +368,54 @@ def test_sglangs_own_file_backend_round_trips(tmp_path: Path) -> None:
     assert store.batch_exists(keys(1, 2, 3)) == 2
     got = store.get(keys(2)[0], torch.zeros_like(page))
     assert got is not None and torch.equal(got, page * 2)
+
+
+def test_a_persistent_store_serves_its_pages_after_a_restart(tmp_path: Path) -> None:
+    """``persistent: true``: pages backed up before a close are there after SGLang starts again
+    with the same model and layout, byte-identical; another model (same pages, same keys) opens a
+    file of its own and finds nothing."""
+    pool = HostPool()
+    ks = keys(1, 2, 3)
+    stored = pool.fill([2, 4, 6], seed=3)
+    first = make(tmp_path, pool, persistent=True)
+    try:
+        assert first.batch_set_v1(ks, slots([2, 4, 6])) == [True] * 3
+    finally:
+        first.close()
+    pool.kv_buffer.zero_()
+    again = make(tmp_path, pool, persistent=True)
+    try:
+        assert again.batch_exists(ks) == 3
+        assert again.batch_get_v1(ks, slots([1, 3, 5])) == [True] * 3
+        assert [pool.page_bytes(p) for p in (1, 3, 5)] == stored
+    finally:
+        again.close()
+    other = make(tmp_path, pool, persistent=True, model="another-model")
+    try:
+        assert other.batch_exists(ks) == 0
+    finally:
+        other.close()
+    files = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".bin"))
+    assert len(files) == 2 and all(name.startswith("uring-kv-sglang-") for name in files), files
+
+
+def test_a_store_over_several_directories_stripes_its_pages(tmp_path: Path, pool: HostPool) -> None:
+    """``root_dir`` a list: one file per directory, a backup's pages split evenly over them and
+    prefetched back byte-identical; fsync without persistence is refused."""
+    drives = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for drive in drives:
+        drive.mkdir()
+    backend = make([str(d) for d in drives], pool)
+    try:
+        ks = keys(*range(8))
+        stored = pool.fill(list(range(8)), seed=5)
+        assert backend.batch_set_v1(ks, slots(list(range(8)))) == [True] * 8
+        assert backend.stats()["stripes"] == 2
+        assert [s.stats()["keys"] for s in backend._store.store.stripes] == [4, 4]  # type: ignore[union-attr]
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(ks, slots(list(range(8, 16)))) == [True] * 8
+        assert [pool.page_bytes(p) for p in range(8, 16)] == stored
+    finally:
+        backend.close()
+    with pytest.raises(ValueError, match="fsync applies to a persistent store"):
+        make(tmp_path, pool, fsync=True)

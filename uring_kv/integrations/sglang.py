@@ -2,9 +2,10 @@
 
 SGLang's hierarchical cache keeps KV pages in a host memory pool (L2) and backs them up to a
 storage backend (L3), prefetching them back into the pool on a later hit. This backend keeps
-those pages in one file through a :class:`uring_kv.SyncBlockStore` (CPU mode over the host pool:
-io_uring reads straight from the file into the pool's pages; writes go through one memcpy into
-a staging slot), with a hard capacity and LRU eviction. Load it with SGLang's dynamic backend::
+those pages in one file (or striped over one per drive) through a :class:`uring_kv.SyncBlockStore`
+(CPU mode over the host pool: io_uring reads straight from the file into the pool's pages; writes
+go through one memcpy into a staging slot), with a hard capacity and LRU eviction, and optionally
+across restarts. Load it with SGLang's dynamic backend::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
         "backend_name": "uring_kv", "module_path": "uring_kv.integrations.sglang",
@@ -23,14 +24,17 @@ and backup threads):
   the index, so the next ``batch_exists`` stops before it and SGLang recomputes instead of
   prefetching it again. A key evicted between ``batch_exists`` and its read is a False alone.
 * ``close`` (SGLang's detach): finishes what is in flight, closes the store (its file has no name:
-  nothing is left on disk) and joins its thread.
+  nothing is left on disk; a persistent store's file and index stay) and joins its thread.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import itertools
+import json
 import logging
+import os
 from typing import Any
 
 import torch
@@ -89,11 +93,14 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     Built by SGLang's ``StorageBackendFactory`` as ``cls(storage_config, kwargs)``; the options are
     keys of ``--hicache-storage-backend-extra-config`` (``storage_config.extra_config``):
-    ``root_dir`` (the directory of the file), ``capacity_bytes`` (the most the file holds: pages
-    are evicted, least recently used first, to stay within it), ``interface_v1`` (must be 1: the
-    zero-copy calls), and optionally ``num_slots`` (staging slots, default 16), ``io_depth``
-    (reads and writes in flight; default: the slots), ``direct`` (None: O_DIRECT where the
-    filesystem takes it), ``io`` ("auto", "uring", "threads"). The store opens when SGLang
+    ``root_dir`` (the directory of the file, or a list of directories, one per drive: the pages are
+    striped over a file in each), ``capacity_bytes`` (the most the files hold: pages are evicted,
+    least recently used first, to stay within it), ``interface_v1`` (must be 1: the zero-copy
+    calls), and optionally ``num_slots`` (staging slots per file, default 16), ``io_depth`` (reads
+    and writes in flight per file; default: the slots), ``direct`` (None: O_DIRECT where the
+    filesystem takes it), ``io`` ("auto", "uring", "threads"), ``persistent`` (keep the pages
+    across restarts, in a file named after :func:`run_fingerprint`) and ``fsync`` (with
+    ``persistent``: sync before a key becomes visible; default true). The store opens when SGLang
     registers its host pool (``register_mem_pool_host``)."""
 
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
@@ -110,9 +117,16 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if int(getattr(storage_config, "dcp_size", 1)) > 1:
             raise ValueError("UringKVHiCacheStorage: decode context parallelism (dcp_size > 1) is not supported")
         self.storage_config = storage_config
-        self._root_dir = str(extra["root_dir"]).rstrip("/") or "/"
+        root = extra["root_dir"]
+        self._root_dirs = [root] if isinstance(root, str) else list(root)
+        if not self._root_dirs or not all(isinstance(d, str) and d for d in self._root_dirs):
+            raise ValueError(f"UringKVHiCacheStorage: root_dir must be a directory or a list of them, got {root!r}")
         self._capacity_bytes = int(extra["capacity_bytes"])
         self._options = {k: extra[k] for k in _STORE_OPTIONS if k in extra}
+        self._persistent = bool(extra.get("persistent", False))
+        self._fsync = extra.get("fsync")
+        if self._fsync is not None and not self._persistent:
+            raise ValueError("UringKVHiCacheStorage: fsync applies to a persistent store (persistent: true)")
         self._store: SyncBlockStore | None = None
         self._page_size = 1
 
@@ -124,9 +138,18 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ValueError("UringKVHiCacheStorage: decode context parallelism (dcp_size > 1) is not supported")
         views = pool_page_views(mem_pool_host)
         self._page_size = int(mem_pool_host.page_size)
-        rank = getattr(self.storage_config, "tp_rank", 0)
-        self._store = SyncBlockStore(views, f"{self._root_dir}/uring-kv-sglang-{rank}.bin",
-                                     capacity_bytes=self._capacity_bytes, **self._options)
+        options: dict[str, Any] = dict(self._options)
+        if self._persistent:
+            fingerprint = run_fingerprint(self.storage_config, self._page_size)
+            # one file per run configuration and rank: another model's pages are in another file
+            name = f"uring-kv-sglang-{hashlib.sha256(fingerprint.encode()).hexdigest()[:12]}.bin"
+            options.update(persistent=True, fingerprint=fingerprint,
+                           fsync=None if self._fsync is None else bool(self._fsync))
+        else:
+            name = f"uring-kv-sglang-{getattr(self.storage_config, 'tp_rank', 0)}.bin"
+        paths = [os.path.join(directory, name) for directory in self._root_dirs]
+        self._store = SyncBlockStore(views, paths[0] if len(paths) == 1 else paths,
+                                     capacity_bytes=self._capacity_bytes, **options)
         del views
 
     def _pages(self, keys: list[str], host_indices: torch.Tensor) -> list[int] | None:
@@ -199,7 +222,8 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return store.stats() if store is not None else {}
 
     def close(self) -> None:
-        """Finish what is in flight, close the store (nothing is left on disk), join its thread."""
+        """Finish what is in flight, close the store (nothing is left on disk, unless persistent: its
+        file and index stay for the next start), join its thread."""
         self._close_store()
 
     def _close_store(self) -> None:
@@ -210,4 +234,15 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             gc.collect()  # the engine's last references to the pool's pages
 
 
-__all__ = ["UringKVHiCacheStorage", "pool_page_views"]
+def run_fingerprint(storage_config: Any, page_size: int) -> str:
+    """What a persistent store's pages are valid for, as JSON: the model and this rank's place in
+    the parallel layout (the fields SGLang's own HiCacheFile names its keys by), the MLA flag and
+    the page size in tokens. The pages' byte geometry (layers, bytes, dtype) the store checks
+    itself. A restart with the same values reopens the file; any other opens another one."""
+    fields = ("model_name", "tp_rank", "tp_size", "pp_rank", "pp_size", "attn_cp_rank", "attn_cp_size",
+              "dp_rank", "is_mla_model", "dcp_rank", "dcp_size")
+    run = {name: getattr(storage_config, name, None) for name in fields}
+    return json.dumps({"sglang": run, "page_size": page_size}, sort_keys=True)
+
+
+__all__ = ["UringKVHiCacheStorage", "pool_page_views", "run_fingerprint"]
