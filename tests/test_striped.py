@@ -193,3 +193,24 @@ async def test_a_put_spreads_its_keys_evenly_and_a_held_key_stays_put(tmp_path: 
         assert sum(stripe.stats()["keys"] for stripe in store.stripes) == 45
         await store.get([key(i) for i in (50, 51, 0, 42)], [60, 61, 62, 63])
         assert [identify(caches, row) for row in (60, 61, 62, 63)] == [(i, 1, True) for i in (50, 51, 0, 42)]
+
+
+async def test_a_pinned_key_is_not_evicted_from_its_stripe(tmp_path: Path) -> None:
+    """``pin`` holds each key in the stripe that has it, against eviction, until ``unpin``; a key
+    no stripe holds gets None. Mutation tried: pin doing nothing (key 0 was evicted)."""
+    caches = id_caches("cpu", blocks=32)
+    for i in range(32):
+        fill(caches, i, i, 1)
+    async with StripedBlockStore(caches, [tmp_path / "a.bin", tmp_path / "b.bin"], 4, 4) as store:
+        await store.put([key(i) for i in range(4)], range(4))
+        handles = store.pin([key(0), key(99)])
+        assert handles[1] is None and handles[0] is not None
+        for i in range(4, 12):
+            await store.put([key(i)], [i])
+        assert store.contains(key(0)) and not store.contains(key(1))
+        store.unpin(handles)
+        for i in range(12, 20):
+            await store.put([key(i)], [i])
+        assert not store.contains(key(0))
+        with pytest.raises(TypeError, match="not one key"):
+            store.pin(key(1))  # type: ignore[arg-type]

@@ -144,6 +144,25 @@ class StripedBlockStore:
             count += 1
         return count
 
+    def pin(self, keys: Iterable[bytes]) -> list[Any]:
+        """:meth:`BlockStore.pin`, each key in the stripe that holds it: a handle per key (None
+        for a key no stripe holds). On the store's loop; the caller must unpin every handle."""
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise TypeError("keys must be a sequence of keys (bytes), not one key")
+        self._check_open()
+        handles: list[Any] = []
+        for key in keys:
+            position = next((n for n, stripe in enumerate(self.stripes) if stripe.contains(key)), None)
+            handles.append(None if position is None else (position, self.stripes[position].pin([key])[0]))
+        return handles
+
+    def unpin(self, handles: Iterable[Any]) -> None:
+        """Release pins taken by :meth:`pin` (None handles are skipped)."""
+        for handle in handles:
+            if handle is not None:
+                position, entry = handle
+                self.stripes[position].unpin([entry])
+
     def stats(self) -> dict[str, int]:
         """:meth:`BlockStore.stats` summed over the stripes, and ``stripes``."""
         total: dict[str, int] = {}

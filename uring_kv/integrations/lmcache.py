@@ -58,6 +58,7 @@ from uring_kv._memory import view_of
 from uring_kv.errors import KeyIOError
 from uring_kv.integrations.lmcache_config import STORE_OPTIONS, UringKVL2AdapterConfig
 from uring_kv.store import BlockStore
+from uring_kv.striped import StripedBlockStore
 from uring_kv.sync import LoopThread
 
 logger = logging.getLogger(__name__)
@@ -85,13 +86,16 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         super().__init__()
         if isinstance(config, dict):
             config = UringKVL2AdapterConfig.from_dict(config)
-        if not os.path.isdir(config.root_dir):
-            raise ValueError(f"UringKVL2Adapter: root_dir {config.root_dir!r} is not a directory")
+        if config.persistent and not config.block_bytes:
+            raise ValueError("UringKVL2Adapter: a persistent adapter needs block_bytes (the chunk size)")
+        for directory in config.root_dirs:
+            if not os.path.isdir(directory):
+                raise ValueError(f"UringKVL2Adapter: root_dir {directory!r} is not a directory")
         self._config = config
         self._arena = l1_memory_desc if config.rows != "staging" else None
         if config.rows == "l1" and self._arena is None:
             raise ValueError('UringKVL2Adapter: rows="l1" needs the L1 arena, which LMCache did not give')
-        self._store: BlockStore | None = None
+        self._store: BlockStore | StripedBlockStore | None = None
         self._open_failed: BaseException | None = None
         self._opening: asyncio.Future[None] | None = None
         self._block = 0  # bytes a block (known once the store opens)
@@ -119,6 +123,12 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._closing = False
         self._closed = False
         self._loop = LoopThread(name="uring-kv-lmcache")
+        if config.persistent:  # open now: the keys kept from the last run are hits from the start
+            try:
+                self._loop.run(self._open(None))
+            except BaseException:
+                self._loop.close()
+                raise
 
     # ---------------------------------------------------------------- event fds
     def get_store_event_fd(self) -> int:
@@ -229,7 +239,8 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._notify_keys_stored([fresh[k][0] for k in written], [fresh[k][1].get_size() for k in written])
         return L2StoreResult(failed == 0, sum(fresh[k][1].get_size() for k in written))
 
-    async def _put(self, store: BlockStore, pairs: list[tuple[bytes, int]]) -> tuple[list[bytes], int]:
+    async def _put(self, store: BlockStore | StripedBlockStore,
+                   pairs: list[tuple[bytes, int]]) -> tuple[list[bytes], int]:
         """Put (key, row) pairs: the keys stored, and how many were not."""
         keys = [k for k, _ in pairs]
         try:
@@ -375,8 +386,9 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         else:
             await asyncio.to_thread(run)
 
-    async def _open(self, first: Any) -> BlockStore:
-        """The store, opened on first use with the block size of the first chunk."""
+    async def _open(self, first: Any) -> BlockStore | StripedBlockStore:
+        """The store, opened on first use with the block size of the first chunk (``first``; None
+        when ``block_bytes`` is configured)."""
         if self._store is not None:
             return self._store
         if self._open_failed is not None:
@@ -398,7 +410,7 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._opening.set_result(None)
         return store
 
-    def _make_store(self, block: int) -> BlockStore:
+    def _make_store(self, block: int) -> BlockStore | StripedBlockStore:
         """The block store over the arena's slots of ``block`` bytes, or over staging rows."""
         cfg, arena = self._config, self._arena
         self._block = block
@@ -418,9 +430,15 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._rows = caches.numpy()
             self._free_rows = list(range(count))
             self._staging_rows = count
-        options = {k: getattr(cfg, k) for k in STORE_OPTIONS if getattr(cfg, k) is not None}
-        return BlockStore({"chunks": caches}, os.path.join(cfg.root_dir, "uring-kv-lmcache.bin"),
-                          capacity_bytes=cfg.capacity_bytes, **options)
+        options: dict[str, Any] = {k: getattr(cfg, k) for k in STORE_OPTIONS if getattr(cfg, k) is not None}
+        name = "uring-kv-lmcache.bin"
+        if cfg.persistent:  # a file per block size; the keys carry the model and rank
+            name = f"uring-kv-lmcache-{block}.bin"
+            options.update(persistent=True, fingerprint="uring_kv LMCache L2 adapter", fsync=cfg.fsync)
+        paths = [os.path.join(directory, name) for directory in cfg.root_dirs]
+        if len(paths) > 1:
+            return StripedBlockStore({"chunks": caches}, paths, capacity_bytes=cfg.capacity_bytes, **options)
+        return BlockStore({"chunks": caches}, paths[0], capacity_bytes=cfg.capacity_bytes, **options)
 
     # ---------------------------------------------------------------- the rest of the interface
     def get_usage(self) -> AdapterUsage:
