@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 
 @dataclass
@@ -32,6 +32,27 @@ class Row:
     ratios: dict[str, float] = field(default_factory=dict)
     lag_samples: int = 0  # probe samples behind lag_max_ms / lag_p99_ms (1 per ms of the row's batches)
     lag_ms: list[float] = field(default_factory=list, repr=False)  # those samples (pooled per run, not in the JSON)
+
+
+@dataclass
+class BatchRow:
+    """A row of the side benches (striping, Mooncake): a method's GB/s over its measured batches,
+    their p50 and p99 times, and whether its bytes checked."""
+    method: str
+    block_bytes: int
+    gbps: float
+    p50_ms: float
+    p99_ms: float
+    batches: int
+    verified: bool
+
+    @classmethod
+    def of(cls, method: str, block_bytes: int, times: list[float], blocks: int, verified: bool = True,
+           **extra: Any) -> Self:
+        """The row of ``blocks`` blocks moved in batches that took ``times`` seconds."""
+        total = sum(times)
+        return cls(method, block_bytes, blocks * block_bytes / total / 1e9 if total else 0.0,
+                   percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3, len(times), verified, **extra)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -30,31 +30,22 @@ import platform
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from uring_kv._file import round_up
 from uring_kv._memory import HostBuffer
 from uring_kv._native import ring_loop
-from uring_kv.bench.results import framework_report, percentile
+from uring_kv.bench.results import BatchRow, framework_report, percentile
 
 
 @dataclass
-class Result:
-    method: str
-    block_bytes: int
-    gbps: float
-    p50_ms: float
-    p99_ms: float
-    batches: int
-    verified: bool
-    ratios: dict[str, float]
+class Result(BatchRow):
+    ratios: dict[str, float] = field(default_factory=dict)  # a get row's GB/s ÷ each ceiling row's
 
 
 def _row(method: str, block_bytes: int, times: list[float], blocks: int, verified: bool = True) -> Result:
-    total = sum(times)
-    return Result(method, block_bytes, blocks * block_bytes / total / 1e9 if total else 0.0,
-                  percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3, len(times), verified, {})
+    return Result.of(method, block_bytes, times, blocks, verified)
 
 
 class _CeilingFile:
@@ -98,7 +89,7 @@ def _ceilings(paths: list[str], block_bytes: int, share: int, batch: int, depth:
             file.read(plan[:1])  # warm-up
             results.append(_row(f"ring ceiling {path}", block_bytes, file.read(plan), len(plan) * batch))
         alone = sum(r.gbps for r in results)
-        results.append(Result("sum of the ceilings", block_bytes, alone, 0.0, 0.0, 0, True, {}))
+        results.append(Result("sum of the ceilings", block_bytes, alone, 0.0, 0.0, 0, True))
         times: list[list[float]] = [[] for _ in files]
 
         def run(position: int) -> None:
@@ -115,7 +106,7 @@ def _ceilings(paths: list[str], block_bytes: int, share: int, batch: int, depth:
         slowest = max(times, key=sum)
         results.append(Result("ring ceilings at once", block_bytes, moved / wall / 1e9,
                               percentile(slowest, 0.5) * 1e3, percentile(slowest, 0.99) * 1e3, len(slowest),
-                              True, {}))
+                              True))
         return results
     finally:
         for file in files:

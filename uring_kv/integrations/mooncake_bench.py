@@ -35,18 +35,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from uring_kv.bench.results import framework_report, percentile, progress_printer
+from uring_kv.bench.results import BatchRow, framework_report, progress_printer
 
 
 @dataclass
-class Result:
-    method: str
-    block_bytes: int
-    gbps: float
-    p50_ms: float
-    p99_ms: float
-    batches: int
-    verified: bool
+class Result(BatchRow):
     extra_s: float = 0.0  # put write-back: seconds after the last put until Mooncake had every value
 
 
@@ -75,9 +68,7 @@ def _row(method: str, block_bytes: int, times: list[float], blocks: int, verifie
     if len(times) > 1:  # the first batch is a warm-up: TCP connections opened, staging rows faulted in
         blocks -= blocks // len(times)
         times = times[1:]
-    total = sum(times)
-    return Result(method, block_bytes, blocks * block_bytes / total / 1e9 if total else 0.0,
-                  percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3, len(times), verified, extra)
+    return Result.of(method, block_bytes, times, blocks, verified, extra_s=extra)
 
 
 async def _size(block_bytes: int, batch: int, total_bytes: int, path: str, remote: Any,
