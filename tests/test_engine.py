@@ -511,13 +511,13 @@ async def test_small_cpu_copies_run_inline_and_large_ones_on_the_thread(
     async with make_engine(caches, 64, num_slots=4) as engine:
         per_block = engine.copier._blocks.bytes_per_block
         await store_identity(engine, caches, 32)
-        engine.bridge.delivery_ns.clear()
+        engine.delivery_times(clear=True)
         disk = list(range(32))
         random.Random(3).shuffle(disk)
         await engine.load_batch(disk, list(range(32, 64)))
         for gpu, d in enumerate(disk, start=32):
             assert identify(caches, gpu) == (d, 1, True)
-        through_bridge = len(engine.bridge.delivery_ns)
+        through_bridge = len(engine.delivery_times())
         if inline_bytes == "0":
             assert through_bridge > 0
         else:

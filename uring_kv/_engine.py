@@ -334,7 +334,8 @@ class Engine(OpenClose):
         native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
         kept unnamed, fixed buffers, pinned bytes, event loop, and whether pumped loads read straight
         into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned), and the
-        :class:`Tuning` in force (``tuning``, a dict)."""
+        :class:`Tuning` in force (``tuning``, a dict). ``direct_reason``: why the file is buffered
+        ('' under O_DIRECT); ``stride``: bytes a block takes in the file (block ``d`` at ``d * stride``)."""
         return {
             **self._gauges(),
             "active_batches": len(self._batches.active),
@@ -342,7 +343,9 @@ class Engine(OpenClose):
             "io": self.io.description,
             "copy": self.copier.description,
             "direct": self.file.direct,
+            "direct_reason": self.file.reason,
             "file": self.file.naming,
+            "stride": self.file.stride,
             "fixed_buffers": self.io.fixed_buffers,
             "pinned_bytes": self.pool.slab.size,
             "io_depth": self.io_depth,
@@ -350,6 +353,19 @@ class Engine(OpenClose):
             "loads_into_caches": self._driver is not None and self._driver.native and self._driver.scatter,
             "tuning": self.tuning.as_dict(),
         }
+
+    def fileno(self) -> int:
+        """The block file's descriptor (block ``d`` at ``d * stats()["stride"]``), for tools that read
+        it beside the engine, such as the bench's peers; valid while the engine is open."""
+        return int(self.file.fd)
+
+    def delivery_times(self, clear: bool = False) -> list[int]:
+        """Diagnostics (may change): ns from each finished copy (CUDA event or copier job) to the
+        loop taking it, the last 100,000; ``clear`` empties the record after reading it."""
+        times = list(self.bridge.delivery_ns)
+        if clear:
+            self.bridge.delivery_ns.clear()
+        return times
 
     def trace(self, tracer: Callable[[str, Kind, int], None] | None) -> None:
         """Diagnostics (for timing studies; may change): ``tracer(event, kind, count)`` runs on the

@@ -57,10 +57,10 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                           io_depth=config.io_depth) as engine:
             o_direct = engine.stats()["direct"]  # O_DIRECT in force (asked for, and the file system has it)
             if direct and not o_direct:
-                extra["notes"][case] = f"O_DIRECT unavailable: {engine.file.reason}; 'cold' is buffered"
+                extra["notes"][case] = f"O_DIRECT unavailable: {engine.stats()['direct_reason']}; 'cold' is buffered"
             progress(f"{block_bytes >> 10} KiB {case}: writing {work.num_disk_blocks} blocks")
             await prefill(engine, work)
-            fd, stride = engine.file.fd, engine.file.stride
+            fd, stride = engine.fileno(), engine.stats()["stride"]
             if not direct:
                 await asyncio.to_thread(_warm, fd, stride * work.num_disk_blocks)
             stats = engine.stats()
@@ -90,11 +90,11 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
                 for op in ops:
                     progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(methods)} (rotating)")
-                    engine.bridge.delivery_ns.clear()
+                    engine.delivery_times(clear=True)
                     with frozen_heap(config.gc_freeze):
                         tallies = await measure(work, methods, op, fd, stride)
                     rows.extend(to_row(work, op, case, name, tally) for name, tally in tallies.items())
-                    delivery = [x / 1e3 for x in engine.bridge.delivery_ns]
+                    delivery = [x / 1e3 for x in engine.delivery_times()]
                     extra[case][f"bridge_us_{op}"] = {  # None: no copy went through the bridge (CPU inline)
                         "p50": round(percentile(delivery, 0.5), 1), "p99": round(percentile(delivery, 0.99), 1),
                     } if delivery else None
@@ -120,7 +120,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
 def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dict[str, Method], closing: _Closing,
                extra: dict[str, Any]) -> None:
     """The peers asked for, on the engine's file and the bench's caches."""
-    fd, stride = engine.file.fd, engine.file.stride
+    fd, stride = engine.fileno(), engine.stats()["stride"]
     if "vllm-disk" in config.peers:
         vllm = closing.add(peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride))
         methods[vllm.name] = functools.partial(_in_thread, vllm.run)
