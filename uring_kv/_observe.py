@@ -1,0 +1,97 @@
+"""What an engine shows of itself: its metrics, its stats (what it chose, and why), and the
+diagnostics tools read beside it (the block file's descriptor, copy delivery times, the batch
+tracer). A mixin of :class:`uring_kv.Engine`, reading the parts the engine builds at ``open()``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from uring_kv._batch import Batches
+from uring_kv._bridge import Bridge
+from uring_kv._copy import CudaCopier, HostCopier
+from uring_kv._driver import Driver
+from uring_kv._file import BlockFile
+from uring_kv._io import IOBackend
+from uring_kv._loop import LoopServices
+from uring_kv._staging import Kind, SlotPool
+from uring_kv._tuning import Tuning
+
+
+class Observed:
+    """Metrics, stats and diagnostics of an engine (the attributes below are the engine's)."""
+
+    pool: SlotPool
+    io: IOBackend
+    bridge: Bridge
+    copier: HostCopier | CudaCopier
+    file: BlockFile
+    io_depth: int
+    tuning: Tuning
+    _svc: LoopServices
+    _state: str
+    _batches: Batches
+    _driver: Driver | None
+    _tracer: Callable[[str, Kind, int], None] | None
+
+    def _gauges(self) -> dict[str, Any]:
+        """What is held or in flight right now (all zero once closed)."""
+        is_open = hasattr(self, "pool") and self._state != "closed"
+        return {"leases_held": self.pool.held if is_open else 0,
+                "io_inflight": self.io.inflight if is_open else 0,
+                "copies_pending": self.bridge.pending + self.copier.pending if is_open else 0,
+                "oldest_lease_age_s": self.pool.oldest_age() if is_open else 0.0}
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot: per direction (``load``, ``store``) bytes, blocks, failures, cancelled blocks,
+        batches and histograms of batch latency and slot wait; gauges for leases held, copies
+        pending, I/O in flight and the oldest lease's age."""
+        snapshot: dict[str, Any] = {kind.name.lower(): m.snapshot() for kind, m in self._batches.metrics.items()}
+        snapshot.update(self._gauges())
+        return snapshot
+
+    def stats(self) -> dict[str, Any]:
+        """The gauges of :meth:`metrics`, the number of active batches, how many batches ran in
+        native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
+        kept unnamed, fixed buffers, pinned bytes, event loop, and whether pumped loads read straight
+        into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned), and the
+        :class:`Tuning` in force (``tuning``, a dict). ``direct_reason``: why the file is buffered
+        ('' under O_DIRECT); ``stride``: bytes a block takes in the file (block ``d`` at ``d * stride``)."""
+        return {
+            **self._gauges(),
+            "active_batches": len(self._batches.active),
+            "pumped_batches": self._driver.pumped if self._driver is not None else 0,
+            "io": self.io.description,
+            "copy": self.copier.description,
+            "direct": self.file.direct,
+            "direct_reason": self.file.reason,
+            "file": self.file.naming,
+            "stride": self.file.stride,
+            "fixed_buffers": self.io.fixed_buffers,
+            "pinned_bytes": self.pool.slab.size,
+            "io_depth": self.io_depth,
+            "loop": self._svc.name,
+            "loads_into_caches": self._driver is not None and self._driver.native and self._driver.scatter,
+            "tuning": self.tuning.as_dict(),
+        }
+
+    def fileno(self) -> int:
+        """The block file's descriptor (block ``d`` at ``d * stats()["stride"]``), for tools that read
+        it beside the engine, such as the bench's peers; valid while the engine is open."""
+        return int(self.file.fd)
+
+    def delivery_times(self, clear: bool = False) -> list[int]:
+        """Diagnostics (may change): ns from each finished copy (CUDA event or copier job) to the
+        loop taking it, the last 100,000; ``clear`` empties the record after reading it."""
+        times = list(self.bridge.delivery_ns)
+        if clear:
+            self.bridge.delivery_ns.clear()
+        return times
+
+    def trace(self, tracer: Callable[[str, Kind, int], None] | None) -> None:
+        """Diagnostics (for timing studies; may change): ``tracer(event, kind, count)`` runs on the
+        loop when a batch's pump is given slots (``"grow"`` before, ``"grown"`` after: its first
+        I/O has been submitted) and when it finishes (``"finished"``, with the blocks it started)."""
+        self._tracer = tracer
+        if self._driver is not None:
+            self._driver.tracer = tracer
