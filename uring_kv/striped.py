@@ -89,12 +89,11 @@ class StripedBlockStore:
         """The stripe (index into ``paths``) that holds ``key`` now, or one that a put is placing it
         on; None when neither."""
         placing = self._placing.get(key)
-        if placing is not None:
-            return placing[0]
-        for position, stripe in enumerate(self.stripes):
-            if stripe.contains(key):
-                return position
-        return None
+        return placing[0] if placing is not None else self._holder(key)
+
+    def _holder(self, key: bytes) -> int | None:
+        """The stripe where ``key`` is visible, or None."""
+        return next((n for n, stripe in enumerate(self.stripes) if stripe.contains(key)), None)
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> StripedBlockStore:
@@ -152,7 +151,7 @@ class StripedBlockStore:
         self._check_open()
         handles: list[Any] = []
         for key in keys:
-            position = next((n for n, stripe in enumerate(self.stripes) if stripe.contains(key)), None)
+            position = self._holder(key)
             handles.append(None if position is None else (position, self.stripes[position].pin([key])[0]))
         return handles
 
@@ -213,7 +212,7 @@ class StripedBlockStore:
         parts: dict[int, tuple[list[bytes], list[int]]] = {}
         missing = []
         for key, row in zip(keys, rows, strict=True):
-            position = next((n for n, stripe in enumerate(self.stripes) if stripe.contains(key)), None)
+            position = self._holder(key)
             if position is None:
                 missing.append(key)
                 continue

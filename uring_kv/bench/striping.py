@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uring_kv._file import round_up
-from uring_kv._memory import HostBuffer
 from uring_kv._native import ring_loop
+from uring_kv.bench.ceilings import RingCeiling
 from uring_kv.bench.results import BatchRow, framework_report, percentile
 
 
@@ -50,25 +50,23 @@ def _row(method: str, block_bytes: int, times: list[float], blocks: int, verifie
 
 class _CeilingFile:
     """A file of ``blocks`` blocks in ``directory`` (O_DIRECT), written once by the C loop; its
-    reads are the ceiling. Removed on close."""
+    reads (:class:`RingCeiling`) are the ceiling. Removed on close."""
 
     def __init__(self, directory: str, stride: int, blocks: int, depth: int) -> None:
         self.path = os.path.join(directory, f"uring-kv-ceiling-{os.getpid()}-{stride}.bin")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
-        self.stride, self.blocks, self.depth = stride, blocks, depth
-        self.buffer = HostBuffer(stride * depth)
+        self.ceiling = RingCeiling(self.fd, stride, depth)
         os.posix_fallocate(self.fd, 0, stride * blocks)
-        ring_loop(self.fd, True, depth, stride, [b * stride for b in range(blocks)], self.buffer.addr, True)
+        ring_loop(self.fd, True, depth, stride, [b * stride for b in range(blocks)], self.ceiling.buffer.addr, True)
 
     def read(self, batches: list[list[int]]) -> list[float]:
         """Seconds per batch of block numbers."""
-        return [ring_loop(self.fd, False, self.depth, self.stride, [b * self.stride for b in batch],
-                          self.buffer.addr, True) / 1e9 for batch in batches]
+        return [self.ceiling.run(False, batch, []) for batch in batches]
 
     def close(self) -> None:
         os.close(self.fd)
         os.unlink(self.path)
-        self.buffer.close()
+        self.ceiling.close()
 
 
 def _batches(blocks: int, batch: int, seed: int) -> list[list[int]]:
