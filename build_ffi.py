@@ -154,6 +154,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
 void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap);
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
+uint64_t ukv_ring_pump_done(const struct ukv_ring *r);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more);
 

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from uring_kv._cuda import CudaError
 from uring_kv._loop import LoopServices
@@ -155,6 +155,8 @@ class NativeLink:
         # queue jobs here (their jobs are handled in C on the ring, see UringBackend.copies_done).
         self.take: Callable[[], list[tuple[int, int, int, int]]] = jobs.done
         self._svc.add_reader(jobs.fd, self._collect)
+        # Engine.trace's tracer (diagnostics): each collection of finished jobs
+        self.tracer: Callable[[str, Any, int], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -194,7 +196,13 @@ class NativeLink:
 
     def _collect(self) -> None:
         now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
-        for token, rc, where, done_ns in self.take():
+        tracer = self.tracer
+        if tracer is not None:
+            tracer("collect", None, self.pending)
+        taken = self.take()
+        if tracer is not None:
+            tracer("collected", None, len(taken))
+        for token, rc, where, done_ns in taken:
             self._bridge.delivery_ns.append(now - done_ns)
             if not token & PUMP_TAG:
                 self._deliver(token, _job_error(rc, where))

@@ -73,7 +73,7 @@ class Driver:
         self._copy_call_blocks = STAGED_MAX if staged else max(1, COPY_CALL_PIECES // len(tensors))
         self.pumped = 0  # batches run in native pumps
         self._start_hop = tuning.start_hop
-        self.tracer: Callable[[str, Kind, int], None] | None = None  # see Engine.trace
+        self.tracer: Callable[[str, Kind | None, int], None] | None = None  # see Engine.trace
         # Batches on io_uring run in native pumps unless something per block needs Python
         # (checksums). Their copies are memcpys in the reap when a block's copy may run on the loop
         # (CPU mode's inline copies; under a depth below the slot count the spare slots park, and a
@@ -137,6 +137,7 @@ class Driver:
             pump = PyPump(kind, batch, self._batches, self._svc, self._io, self._copier, self._file,
                           self._contents, disk, args.gpu, self._pool.waiting, self._copy_call_blocks, self.summer,
                           progress)
+            pump.tracer = self.tracer
         phase_done = self._svc.create_future()
         deps: dict[int, Any] = {}
         register = self._hazards.register

@@ -131,7 +131,7 @@ class Engine(Observed, OpenClose):
         self._admitting: deque[Any] = deque()  # futures: the calls being admitted, in call order
         self._batches = Batches(self.block_bytes)  # the active batches and their metrics
         self._driver: Driver | None = None
-        self._tracer: Callable[[str, Kind, int], None] | None = None
+        self._tracer: Callable[[str, Kind | None, int], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> Engine:
@@ -198,7 +198,7 @@ class Engine(Observed, OpenClose):
         self._driver = Driver(self._svc, tuning, self.file, self.pool, self.io, self.copier, blocks, self._contents,
                               self._hazards, self._batches, self.gpu, self.checksum, self._tensors,
                               self._tensor_block_bytes)
-        self._driver.tracer = self._tracer
+        self._apply_tracer()
 
     def _release(self) -> None:
         """Free whatever open() set up, last part first, each part even if an earlier one failed

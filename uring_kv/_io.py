@@ -118,6 +118,8 @@ class IOBackend(ABC):
         self.inflight = 0
         self.fixed_buffers = False
         self._idle: Any = None  # a future while drain() waits
+        # Engine.trace's tracer (diagnostics): the ring's submissions and reaps, see UringBackend
+        self.tracer: Callable[[str, Any, int], None] | None = None
 
     def pump_ring(self) -> PumpRing | None:
         """This backend as a ring that runs native pumps, or None (its batches run in the Python pump)."""
@@ -356,7 +358,12 @@ class UringBackend(IOBackend):
             if fd in fixed_fd:
                 fd, sqe_flags = fixed_fd[fd], sqe_flags | _FIXED_FILE
             sqes.append((opcode, sqe_flags, max(op.buf_index, 0), fd, op.addr, op.length, op.offset, user_data))
+        tracer = self.tracer
+        if tracer is not None:
+            tracer("submit", None, len(sqes))
         self._ring.submit(sqes)
+        if tracer is not None:
+            tracer("submitted", None, self.io_in_flight())
 
     def _on_wakeup(self) -> None:
         if self._efd < 0:  # a reap scheduled for a later turn, after close()
@@ -365,13 +372,25 @@ class UringBackend(IOBackend):
         with contextlib.suppress(BlockingIOError):  # the eventfd is only a hint
             os.eventfd_read(self._efd)
         ring = self._ring
-        self._completed.extend(ring.reap())
+        tracer = self.tracer
+        if tracer is None:
+            self._completed.extend(ring.reap())
+        else:
+            done_before = ring.pump_done
+            tracer("reap", None, self.io_in_flight())
+            reaped = ring.reap()
+            self._completed.extend(reaped)
+            tracer("reaped", None, len(reaped) + ring.pump_done - done_before)
         if ring.more and not self._reap_again:  # completions left over for a later loop turn
             self._reap_again = True
             self._svc.call_soon(self._reap_later)
         self._pumps_moved(ring)
         if not self._continuing:
             self._run_completions()
+
+    def io_in_flight(self) -> int:
+        """Reads and writes submitted to the ring and not yet reaped, pumps' and the others'."""
+        return len(self._pending) + self._ring.pump_io()[0]
 
     def _reap_later(self) -> None:
         self._reap_again = False

@@ -143,6 +143,11 @@ class NativeRing:
         return int(now), int(peak[0])
 
     @property
+    def pump_done(self) -> int:
+        """Pump I/Os completed so far (their completions handled in C)."""
+        return int(_lib.ukv_ring_pump_done(self._ring))
+
+    @property
     def copied_late(self) -> int:
         """Loads' memcpys that reaps did after submitting the refills of the same pass: a parked
         slot took each completion's room first (pumps holding more slots than the ring's cap)."""

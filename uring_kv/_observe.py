@@ -32,7 +32,7 @@ class Observed:
     _state: str
     _batches: Batches
     _driver: Driver | None
-    _tracer: Callable[[str, Kind, int], None] | None
+    _tracer: Callable[[str, Kind | None, int], None] | None
 
     def _gauges(self) -> dict[str, Any]:
         """What is held or in flight right now (all zero once closed)."""
@@ -88,10 +88,39 @@ class Observed:
             self.bridge.delivery_ns.clear()
         return times
 
-    def trace(self, tracer: Callable[[str, Kind, int], None] | None) -> None:
+    def trace(self, tracer: Callable[[str, Kind | None, int], None] | None) -> None:
         """Diagnostics (for timing studies; may change): ``tracer(event, kind, count)`` runs on the
-        loop when a batch's pump is given slots (``"grow"`` before, ``"grown"`` after: its first
-        I/O has been submitted) and when it finishes (``"finished"``, with the blocks it started)."""
+        loop's thread at these points (``None`` stops it; it may be set before or after ``open()``):
+
+        ========================  ======  =====================================================
+        event                     kind    count
+        ========================  ======  =====================================================
+        ``grow`` / ``grown``      batch   slots given to a batch's pump; before, and after its
+                                          first I/O was submitted
+        ``finished``              batch   blocks the batch's pump started
+        ``submit``/``submitted``  None    io_uring: SQEs about to be submitted; after, the
+                                          reads and writes in flight, not yet reaped
+        ``reap`` / ``reaped``     None    io_uring wake-up: I/Os in flight before the reap;
+                                          after, completions it found (pumps' included)
+        ``collect``/``collected`` None    native copier: jobs pending; after, jobs taken
+        ``copy``/``copy_queued``  batch   Python pump: blocks whose copies it queues, around
+                                          the copier calls
+        ``block_*``               batch   Python pump, a block's position in its batch:
+                                          ``start``, ``read`` (handled), ``copy`` (queued),
+                                          ``copied`` (done), ``write`` (submitted), ``written``
+        ========================  ======  =====================================================
+
+        Native pumps (the default) report only the first six; ``URING_KV_DEBUG_PUMP=0`` runs every
+        batch in the Python pump. A tracer that raises breaks the batch it ran in."""
         self._tracer = tracer
+        self._apply_tracer()
+
+    def _apply_tracer(self) -> None:
+        """Hand the tracer to the parts open() built (the pumps get it from the driver)."""
+        tracer = self._tracer
         if self._driver is not None:
             self._driver.tracer = tracer
+            self.io.tracer = tracer
+            link = self.copier.link
+            if link is not None:
+                link.tracer = tracer

@@ -84,10 +84,13 @@ class PyPump:
     """One batch's blocks through the slots it is given; see the module docstring."""
 
     copies_marked = True  # its copies count down ``batch.to_enqueue``; the copier marks the last one
+    # Engine.trace's tracer: block events (count: the block's position in its batch) and copy calls
+    tracer: Callable[[str, Kind | None, int], None] | None = None
 
     def __init__(self, kind: Kind, batch: Batch, batches: Batches, services: LoopServices, io: IOBackend,
                  copier: Any, file: BlockFile, contents: Contents, disk: list[int], cache_blocks: list[int],
                  waiting: Any, copy_call_blocks: int, summer: Summer | None, on_progress: Callable[[], None]) -> None:
+        self._kind = kind
         self._write = kind is Kind.STORE
         self._batch, self._batches, self._svc, self._io, self._copier = batch, batches, services, io, copier
         self._file, self._contents, self._summer = file, contents, summer
@@ -163,6 +166,8 @@ class PyPump:
                 continue
             position = self._next
             self._next += 1
+            if self.tracer is not None:
+                self.tracer("block_start", self._kind, position)
             if self._write:
                 self._ready.append((index, addr, position))
             else:
@@ -175,11 +180,17 @@ class PyPump:
 
     def _enqueue_copies(self) -> None:
         group, self._ready = self._ready, []
-        step, cache = self._step, self._cache
+        step, cache, tracer = self._step, self._cache, self.tracer
+        if tracer is not None:
+            for _, _, position in group:
+                tracer("block_copy", self._kind, position)
+            tracer("copy", self._kind, len(group))
         for first in range(0, len(group), step):
             chunk = group[first:first + step]
             self._copier.copy(self._write, [addr for _, addr, _ in chunk], [cache[p] for _, _, p in chunk],
                               bind(self._on_copied, chunk))
+        if tracer is not None:
+            tracer("copy_queued", self._kind, len(group))
         self._batches.enqueued_some(self._batch, len(group), True)
 
     def _schedule(self) -> None:
@@ -218,6 +229,8 @@ class PyPump:
             self._batches.enqueued_some(self._batch, 1, False)
             self._fail(index, addr, position, -res if res < 0 else errno.EIO)
             return
+        if self.tracer is not None:
+            self.tracer("block_read", self._kind, position)
         if self._summer is not None and (expected := self._contents.sums.get(self._disk[position])) is not None:
             self._summer.sum_then(addr, bind(self._verified, index, addr, position, expected))
             return
@@ -238,6 +251,9 @@ class PyPump:
             for index, addr, position in chunk:
                 self._fail(index, addr, position, errno.EIO)
             return
+        if self.tracer is not None:
+            for _, _, position in chunk:
+                self.tracer("block_copied", self._kind, position)
         if not self._write:
             for index, addr, _ in chunk:
                 self._slot_free(index, addr)
@@ -258,6 +274,9 @@ class PyPump:
 
     def _write_out(self, chunk: list[_Ready], sums: dict[int, int | None] | None) -> None:
         file, disk = self._file, self._disk
+        if self.tracer is not None:
+            for _, _, position in chunk:
+                self.tracer("block_write", self._kind, position)
         self._io.submit([Op(True, file.fd, addr, file.stride, file.offset(disk[position]),
                             bind(self._on_written, index, addr, position, sums), index)
                          for index, addr, position in chunk])
@@ -267,6 +286,8 @@ class PyPump:
         if res != self._file.stride:
             self._fail(index, addr, position, -res if res < 0 else errno.EIO)
             return
+        if self.tracer is not None:
+            self.tracer("block_written", self._kind, position)
         if sums is not None:
             d, crc = self._disk[position], sums[position]
             if crc is None:

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from uring_kv import Tuning
 from uring_kv._file import round_up
@@ -34,6 +35,10 @@ class BenchConfig:
     checksum: bool = False  # also measure uring_kv with checksum=True ("uring_kv+crc32c")
     peers: tuple[str, ...] = PEERS  # which of the others run beside uring_kv
     sweep: bool = True  # time the ring ceiling at several depths for the sizing advice
+    # Diagnostics, not command-line options (lab/loop_stalls.py): Engine.trace's tracer for
+    # uring_kv's engines, and LagTicker's ``watch`` for every method measured
+    tracer: Callable[[str, Any, int], None] | None = None
+    lag_watch: Callable[[str, str, list[float], float], None] | None = None
 
 
 # A row should measure more than a few short batches: 4 batches of 256 blocks of 128 KiB last ~70 ms

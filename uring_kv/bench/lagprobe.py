@@ -8,6 +8,7 @@ import os
 import struct
 import sys
 import time
+from collections.abc import Callable
 
 
 class _Prober:
@@ -94,7 +95,11 @@ class LagTicker:
 
     PERIOD = 0.001
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "", watch: Callable[[str, str, list[float], float], None] | None = None) -> None:
+        """``watch`` (diagnostics, may change): ``watch(event, label, sent, now)`` on the loop:
+        ``"enter"`` and ``"exit"`` around the measured method, and ``"samples"`` each time the
+        loop reads the probe, with the CLOCK_MONOTONIC times the samples were written and read."""
+        self.label, self._watch = label, watch
         self.samples: list[float] = []
         self.timer_samples: list[float] = []
         self._task: asyncio.Task[None] | None = None
@@ -109,17 +114,24 @@ class LagTicker:
 
     def _on_probe(self) -> None:
         now = time.monotonic()
-        self.samples.extend(max(0.0, now - sent) for sent in self._prober.drain())
+        sent = self._prober.drain()
+        self.samples.extend(max(0.0, now - written) for written in sent)
+        if self._watch is not None:
+            self._watch("samples", self.label, sent, now)
 
     def __enter__(self) -> LagTicker:
         self._loop = asyncio.get_running_loop()
         self._prober.drain()  # written while nobody measured
         self._loop.add_reader(self._prober.fd, self._on_probe)
         self._task = self._loop.create_task(self._timer())
+        if self._watch is not None:
+            self._watch("enter", self.label, [], time.monotonic())
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._task is not None and self._loop is not None
         self._task.cancel()
         self._loop.remove_reader(self._prober.fd)
+        if self._watch is not None:
+            self._watch("exit", self.label, [], time.monotonic())
 

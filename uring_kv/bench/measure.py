@@ -74,7 +74,7 @@ async def measure(work: Workload, methods: dict[str, Method], op: str, fd: int, 
             sync(work.device)
             tally = tallies[name]
             cpu0 = _cpu_seconds()
-            with LagTicker() as ticker:
+            with LagTicker(name, work.config.lag_watch) as ticker:
                 start = time.perf_counter()
                 own = await methods[name](store, disk_blocks, gpu_blocks)
                 elapsed = time.perf_counter() - start if own is None else own

@@ -55,6 +55,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
         async with Engine(work.caches, path, work.num_disk_blocks, slots,
                           direct=None if direct else False, checksum=config.checksum,
                           io_depth=config.io_depth) as engine:
+            engine.trace(config.tracer)
             o_direct = engine.stats()["direct"]  # O_DIRECT in force (asked for, and the file system has it)
             if direct and not o_direct:
                 extra["notes"][case] = f"O_DIRECT unavailable: {engine.stats()['direct_reason']}; 'cold' is buffered"
@@ -201,7 +202,7 @@ async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dic
                     "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "date": time.strftime("%Y-%m-%d")},
-        "config": asdict(config),
+        "config": {k: v for k, v in asdict(config).items() if k not in ("tracer", "lag_watch")},
         "device": str(device),
         "path": os.path.realpath(directory),
         "filesystem": _filesystem(directory),

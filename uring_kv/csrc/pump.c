@@ -275,6 +275,7 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
                           unsigned *nlater) {
     if (s >= p->max_slots || p->state[s] != SLOT_IO) return; /* not ours: never while Python keeps it attached */
     r->io_inflight--;
+    r->io_done++;
     if ((uint64_t)(int64_t)res != p->expect) {
         pump_failed(p, s, res < 0 ? -res : EIO);
     } else if (!p->write && !p->slot_iov) {
@@ -388,6 +389,9 @@ void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap) { r->io_cap = cap; }
 
 /* How many loads' memcpys a reap has put off until after its refills were submitted (copy_later). */
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r) { return r->copied_late; }
+
+/* Pump I/Os completed so far (their CQEs handled here). */
+uint64_t ukv_ring_pump_done(const struct ukv_ring *r) { return r->io_done; }
 
 /* Pump I/Os in flight now; *peak: the most there ever were at once. */
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak) {

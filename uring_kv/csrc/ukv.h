@@ -78,6 +78,7 @@ struct ukv_ring {
     int32_t touched[UKV_MAX_PUMPS]; /* pumps that moved in this call, each once */
     unsigned ntouched;
     uint64_t copied_late; /* loads' memcpys done after the refills of the same reap pass (copy_later) */
+    uint64_t io_done;     /* pump I/Os completed so far */
 };
 
 int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct ukv_ring **out);
@@ -162,6 +163,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
 void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap);
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
+uint64_t ukv_ring_pump_done(const struct ukv_ring *r);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more);
 
