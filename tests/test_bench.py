@@ -483,7 +483,7 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
 
     rounds, names = 7, ["uring_kv", "serial", "threads8", "ring ceiling"]
     work = SimpleNamespace(load_batches=[[r] for r in range(rounds)], gpu_order=[[0]] * rounds,
-                           config=SimpleNamespace(warmup=2), device=torch.device("cpu"), scrub=lambda: None,
+                           config=BenchConfig(warmup=2), device=torch.device("cpu"), scrub=lambda: None,
                            verify=lambda disk, gpu: True)
     tallies = await measure(work, {name: method(name) for name in names}, "load", -1, 0)  # type: ignore[arg-type]
     result = {"config": {"warmup": 2}, "rows": [
