@@ -8,8 +8,11 @@ sleep, and times inside each batch: the loop's ``select()`` calls (how long it s
 wake-ups (completions found per reap, reads in flight before and after it, how long after
 ``select()`` returned it ran), the copier's collections, the reads in flight over the batch
 (time-weighted), how long the first completion took and how long the batch ran after the last.
-"In flight" counts the pump's reads from submission until their completion is reaped (a read the
-disk has finished stays counted until the loop reaps it).
+All but the sleeps come from the engine's diagnostic hook (``Engine.trace``); the sleeps, from a
+wrapper of asyncio's selector. "In flight" counts every read from submission until its completion
+is reaped (a read the disk has finished stays counted until the loop reaps it), native pumps'
+included; the trace gives it before each reap and submission, and after a reap it is taken from
+the next of those (see ``_in_flight_after``).
 
     python lab/pause_trace.py [--block-size 131072] [--rounds 6] [--per-round 4] [--idle-ms 100] [--slots 48]
 """
@@ -25,57 +28,93 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from uring_kv import Engine, _bridge, _driver, _io
+from uring_kv import Engine
+
+
+@dataclass
+class Span:
+    """A traced span on the loop: a reap, a collection of copier jobs, a pump given slots or an
+    SQE submission, with the reads in flight (submitted, not yet reaped) where the trace tells them."""
+
+    kind: str  # "reap", "collect", "grow" or "submit"
+    t: float
+    end: float
+    before: int | None = None
+    found: int = 0  # reap: completions found; collect: jobs taken
+    after: int | None = None
+
 
 trace: dict[str, list[Any]] = defaultdict(list)
 live = [False]
-runs: list[Any] = []
-ring: list[Any] = []  # the engine's ring, for the reads in flight after a collection
-_wakeup, _collect, _grow, _finish = (_io.UringBackend._on_wakeup, _bridge.NativeLink._collect, _driver.Driver._grow,
-                                     _driver.Driver._finish)
+sqes = [0]
+_CLOSES = {"reaped": "reap", "collected": "collect", "grown": "grow"}
 
 
-def _traced_wakeup(self: _io.UringBackend) -> None:
+def _tracer(event: str, kind: Any, count: int) -> None:
+    """The engine's diagnostic hook: reaps (in flight before, completions found), collections (jobs
+    taken), the pump's slots (its first reads submitted at the first ``grown``) and SQE submissions."""
     if not live[0]:
-        _wakeup(self)
         return
-    start = time.perf_counter()
-    before = self._ring.pump_io()[0]
-    started = sum(run.pump.started for run in runs)
-    _wakeup(self)
-    after = self._ring.pump_io()[0]
-    found = before - after + sum(run.pump.started for run in runs) - started
-    end = time.perf_counter()
-    trace["reap"].append((start, end, found, before))
-    trace["inflight"].append((end, after))
+    now = time.perf_counter()
+    spans: list[Span] = trace["spans"]
+    if event in ("reap", "collect", "grow"):
+        spans.append(Span(event, now, now, count if event == "reap" else None))
+    elif event in _CLOSES:
+        span = next((s for s in reversed(spans) if s.kind == _CLOSES[event]), None)
+        if span is None:  # opened before this batch was traced
+            return
+        span.end = now
+        if event != "grown":
+            span.found = count
+        elif not trace["submitted"]:
+            trace["submitted"].append(now)
+    elif event == "submit":
+        sqes[0] = count
+    elif event == "submitted":
+        spans.append(Span("submit", now, now, count - sqes[0], after=count))
 
 
-def _traced_collect(self: Any) -> None:
-    start = time.perf_counter()
-    _collect(self)
-    if live[0]:
-        end = time.perf_counter()
-        trace["collect"].append((start, end))
-        if ring:
-            trace["inflight"].append((end, ring[0].pump_io()[0]))
+def _time_selects(loop: asyncio.AbstractEventLoop) -> None:
+    """How long the loop sleeps: asyncio offers no public hook for its selector's ``select()``, so
+    this wraps the private ``loop._selector`` (the one part of this script outside the engine's hooks)."""
+    selector = loop._selector  # type: ignore[attr-defined]
+    select = selector.select
+
+    def traced_select(timeout: float | None = None) -> Any:
+        start = time.perf_counter()
+        ready = select(timeout)
+        if live[0]:
+            trace["select"].append((start, time.perf_counter()))
+        return ready
+
+    selector.select = traced_select
 
 
-def _traced_grow(self: _driver.Driver, run: Any, leases: Any) -> None:
-    if run not in runs:
-        runs.append(run)
-        trace["submitted"].append(time.perf_counter())
-    _grow(self, run, leases)
-    if live[0] and ring:
-        trace["inflight"].append((time.perf_counter(), ring[0].pump_io()[0]))
-
-
-def _traced_finish(self: _driver.Driver, run: Any) -> None:
-    trace["finished"].append(time.perf_counter())
-    _finish(self, run)
+def _in_flight_after(spans: list[Span]) -> list[int]:
+    """Reads in flight after each span. They change only inside the spans (submitted in a submission,
+    a pump's start, or refills in a reap or a collection; gone in a reap), so a span's after is the
+    next one's before where the trace tells it (a reap's, a submission's; a collection that took no
+    job passes its own on). Where it does not, a reap is taken as having refilled nothing."""
+    after = [0] * len(spans)
+    next_before: int | None = None
+    for i in range(len(spans) - 1, -1, -1):
+        span = spans[i]
+        if span.after is not None:
+            after[i] = span.after
+        elif next_before is not None:
+            after[i] = next_before
+        elif span.kind == "reap" and span.before is not None:
+            after[i] = span.before - span.found
+        else:
+            after[i] = after[i + 1] if i + 1 < len(spans) else 0
+        idle = span.kind == "collect" and span.found == 0
+        next_before = span.before if span.before is not None else after[i] if idle else None
+    return after
 
 
 def _q(values: list[float]) -> str:
@@ -108,31 +147,16 @@ def _summary(batches: list[dict[str, Any]]) -> dict[str, str]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    _io.UringBackend._on_wakeup = _traced_wakeup  # type: ignore[method-assign]
-    _bridge.NativeLink._collect = _traced_collect  # type: ignore[method-assign]
-    _driver.Driver._grow = _traced_grow  # type: ignore[method-assign]
-    _driver.Driver._finish = _traced_finish  # type: ignore[method-assign]
-    loop = asyncio.get_running_loop()
-    selector = loop._selector  # type: ignore[attr-defined]
-    select = selector.select
-
-    def traced_select(timeout: float | None = None) -> Any:
-        start = time.perf_counter()
-        ready = select(timeout)
-        if live[0]:
-            trace["select"].append((start, time.perf_counter()))
-        return ready
-
-    selector.select = traced_select
+    _time_selects(asyncio.get_running_loop())
     layers, block = 32, args.block_size
     blocks = (1 << 30) // block
     caches = [torch.zeros(256, block // layers // 2, dtype=torch.float16, device=args.device) for _ in range(layers)]
     path = os.path.join(tempfile.gettempdir(), f"uring-kv-pause-trace-{os.getpid()}.bin")
     results: dict[str, list[dict[str, Any]]] = {"back to back": [], f"after {args.idle_ms:g} ms idle": []}
     async with Engine(caches, path, blocks, args.slots, direct=True, io_depth=32) as engine:
-        ring.append(engine.io._ring)  # type: ignore[attr-defined]
         for first in range(0, blocks, 256):
             await engine.store_batch(list(range(256)), list(range(first, first + 256)))
+        engine.trace(_tracer)
         rng = random.Random(7)
         for round_index in range(args.rounds + 1):  # the first round is not measured
             conditions = list(results) if round_index % 2 else list(results)[::-1]
@@ -142,7 +166,6 @@ async def main(args: argparse.Namespace) -> None:
                         await asyncio.sleep(args.idle_ms / 1e3)
                     disk, gpu = rng.sample(range(blocks), 256), rng.sample(range(256), 256)
                     trace.clear()
-                    runs.clear()
                     live[0] = True
                     start = time.perf_counter()
                     await engine.load_batch(disk, gpu)
@@ -162,15 +185,17 @@ async def main(args: argparse.Namespace) -> None:
 def _batch(start: float, end: float) -> dict[str, Any]:
     selects = [s for s in trace["select"] if start <= s[0] < end]
     returns = [s[1] for s in selects]
+    spans: list[Span] = trace["spans"]
+    after = _in_flight_after(spans)
     reaps = []
-    after = {t: n for t, n in trace["inflight"]}
-    for reap in trace["reap"]:
-        i = bisect.bisect_right(returns, reap[0]) - 1
-        reaps.append((*reap, reap[0] - returns[i] if i >= 0 else None, after.get(reap[1])))
+    for span, held in zip(spans, after, strict=True):
+        if span.kind == "reap":
+            i = bisect.bisect_right(returns, span.t) - 1
+            reaps.append((span.t, span.end, span.found, span.before, span.t - returns[i] if i >= 0 else None, held))
     submitted = trace["submitted"][0] if trace["submitted"] else start
     found = [r for r in reaps if r[2] > 0]
-    # Reads in flight between callbacks, weighted by how long each count held, from the first submission.
-    steps = sorted((t, n) for t, n in trace["inflight"] if submitted <= t <= end)
+    # Reads in flight between spans, weighted by how long each count held, from the first submission.
+    steps = sorted((span.end, held) for span, held in zip(spans, after, strict=True) if submitted <= span.end <= end)
     weighted = sum(n * (nxt[0] - t) for (t, n), nxt in zip(steps, [*steps[1:], (end, 0)], strict=True))
     return {
         "ms": (end - start) * 1e3,
@@ -178,7 +203,7 @@ def _batch(start: float, end: float) -> dict[str, Any]:
         "asleep": sum(s[1] - s[0] for s in selects) / (end - start),
         "sleeps": [s[1] - s[0] for s in selects],
         "reaps": reaps,
-        "collections": len(trace["collect"]),
+        "collections": sum(span.kind == "collect" for span in spans),
         "inflight_mean": weighted / (end - submitted),
         "first_us": (found[0][1] - submitted) * 1e6 if found else float("nan"),
         "tail_us": (end - found[-1][1]) * 1e6 if found else float("nan"),

@@ -66,7 +66,7 @@ async def measure(name: str, options: dict[str, Any], args: argparse.Namespace, 
         await asyncio.gather(*(put_batches(args.puts // args.concurrency, put_lat, lane)
                                for lane in range(args.concurrency)))
         put_s = time.perf_counter() - started
-        held = list(store._index)
+        held = [key(i) for i in range(next_key) if store.contains(key(i))]  # what the store still holds
         get_lat: list[float] = []
         started = time.perf_counter()
         for first in range(0, len(held) - args.batch + 1, args.batch):
