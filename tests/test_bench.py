@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import shutil
@@ -15,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rich.console
 import torch
 from conftest import mounted_tmpfs
 
 from uring_kv import Engine
 from uring_kv.bench.config import BenchConfig, staging_slots
+from uring_kv.bench.report import render
 from uring_kv.bench.workload import Workload
 from uring_kv.cli import main
 
@@ -76,6 +79,13 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     printed = capsys.readouterr().out
     assert "verified: all" in printed
     assert "sizing: I/O depth" in printed and "Engine(..., num_slots=" in printed
+    for key, note in extra["notes"].items():
+        assert f"{key}: {note}" in printed
+    # notes are printed verbatim: "[peers]" in KvikIO's (on a GPU without it) is not console markup
+    extra["notes"]["kvikio"] = "not installed (pip install uring-kv[peers])"
+    console = rich.console.Console(file=io.StringIO(), width=100)
+    render(result, console)
+    assert "kvikio: not installed (pip install uring-kv[peers])" in console.file.getvalue()
 
 
 def test_bench_output_fits_100_columns_with_the_verdict_first(tmp_path: Path) -> None:
