@@ -83,9 +83,9 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
         assert f"{key}: {note}" in printed
     # notes are printed verbatim: "[peers]" in KvikIO's (on a GPU without it) is not console markup
     extra["notes"]["kvikio"] = "not installed (pip install uring-kv[peers])"
-    console = rich.console.Console(file=io.StringIO(), width=100)
-    render(result, console)
-    assert "kvikio: not installed (pip install uring-kv[peers])" in console.file.getvalue()
+    text = io.StringIO()
+    render(result, rich.console.Console(file=text, width=100))
+    assert "kvikio: not installed (pip install uring-kv[peers])" in text.getvalue()
 
 
 def test_bench_output_fits_100_columns_with_the_verdict_first(tmp_path: Path) -> None:
