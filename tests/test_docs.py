@@ -1,5 +1,5 @@
 """The docs that can drift: the generated API reference, the README's two commands, design.md's
-module map and the figures the docs link."""
+module map, the import graph and the figures the docs link."""
 
 from __future__ import annotations
 
@@ -155,3 +155,32 @@ def test_performance_page_stays_a_current_summary() -> None:
     (each framework's page keeps its own tables and runs)."""
     lines = (ROOT / "docs" / "performance.md").read_text().count("\n")
     assert lines <= 250, f"docs/performance.md has {lines} lines: move detail to the framework pages or git history"
+
+
+def _a_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (file -> files it imports) as a path back to its start, or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node):], node]
+        if node in done or node not in graph:
+            return None
+        path.append(node)
+        for target in sorted(graph[node]):
+            if found := visit(target):
+                return found
+        path.pop()
+        done.add(node)
+        return None
+
+    return next((found for node in sorted(graph) if (found := visit(node))), None)
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    """No file under uring_kv/ imports, however indirectly, a file that imports it back (imports at
+    module level and inside functions alike, outside ``if TYPE_CHECKING:``; see _imports)."""
+    assert _a_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the finder finds one
+    cycle = _a_cycle({rel: _imports(rel) for rel in _package_files()})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
