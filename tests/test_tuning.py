@@ -90,3 +90,42 @@ def test_info_prints_the_tuning_in_force() -> None:
     bad = subprocess.run([sys.executable, "-P", "-m", "uring_kv", "info"], capture_output=True, text=True,
                          timeout=120, env={**env, "URING_KV_DEBUG_PUMP": "maybe"})
     assert bad.returncode == 1 and "URING_KV_DEBUG_PUMP" in bad.stderr
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``addr`` (/proc/self/smaps)."""
+    flags: list[str] = []
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= addr < end
+        elif inside and head == "VmFlags:":
+            flags = line.split()[1:]
+    return flags
+
+
+def _thp_possible() -> bool:
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return mode.exists() and "[never]" not in mode.read_text()
+
+
+@pytest.mark.skipif(not _thp_possible(), reason="transparent huge pages are off (or absent) on this kernel")
+@pytest.mark.parametrize("huge", [True, False])
+async def test_staging_slots_are_advised_onto_huge_pages(tmp_path: Path, huge: bool) -> None:
+    """Slots of 2 MiB blocks get MADV_HUGEPAGE (VmFlags "hg") unless Tuning(huge_pages=False): a
+    2 MiB O_DIRECT read into fragmented 4 KiB pages splits into several device requests."""
+    caches = [torch.zeros(2, 2 << 20, dtype=torch.uint8)]
+    async with Engine(caches, tmp_path / "kv", num_disk_blocks=4, num_slots=2,
+                      tuning=Tuning(huge_pages=huge)) as engine:
+        assert engine.stats()["huge_pages"] is huge
+        assert ("hg" in _vm_flags(engine.pool.slab.addr)) is huge
+        caches[0][1].fill_(7)
+        await engine.store_batch([1], [3])
+        caches[0].zero_()
+        await engine.load_batch([3], [0])
+        assert bool((caches[0][0] == 7).all())
+    small = Engine([torch.zeros(2, 4096, dtype=torch.uint8)], tmp_path / "small", num_disk_blocks=4, num_slots=2)
+    async with small:
+        assert small.stats()["huge_pages"] is False  # 8 KiB of slots span no huge page: not advised

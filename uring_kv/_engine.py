@@ -176,7 +176,7 @@ class Engine(Observed, OpenClose):
         self.io: IOBackend = open_backend(self._io_mode or tuning.io, services=self._svc, async_io=async_io,
                                           async_writes=async_writes, depth=self.io_depth if capped else None,
                                           tuning=tuning)
-        self.pool = SlotPool(self.num_slots, stride, self._svc)
+        self.pool = SlotPool(self.num_slots, stride, self._svc, tuning.huge_pages)
         self._host_registered = False
         if self.gpu:
             host_register(self.pool.slab.addr, self.pool.slab.size)

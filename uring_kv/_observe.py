@@ -53,7 +53,8 @@ class Observed:
     def stats(self) -> dict[str, Any]:
         """The gauges of :meth:`metrics`, the number of active batches, how many batches ran in
         native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
-        kept unnamed, fixed buffers, pinned bytes, event loop, and whether pumped loads read straight
+        kept unnamed, fixed buffers, pinned bytes, whether the slots were advised onto huge pages
+        (``huge_pages``), event loop, and whether pumped loads read straight
         into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned), and the
         :class:`Tuning` in force (``tuning``, a dict). ``direct_reason``: why the file is buffered
         ('' under O_DIRECT); ``stride``: bytes a block takes in the file (block ``d`` at ``d * stride``)."""
@@ -69,6 +70,7 @@ class Observed:
             "stride": self.file.stride,
             "fixed_buffers": self.io.fixed_buffers,
             "pinned_bytes": self.pool.slab.size,
+            "huge_pages": self.pool.slab.huge_pages,
             "io_depth": self.io_depth,
             "loop": self._svc.name,
             "loads_into_caches": self._driver is not None and self._driver.native and self._driver.scatter,

@@ -84,11 +84,12 @@ class Lease:
 
 
 class SlotPool:
-    """``num_slots`` slots of ``stride`` bytes in one page-aligned slab."""
+    """``num_slots`` slots of ``stride`` bytes in one page-aligned slab (on huge pages where the
+    kernel gives them: see :class:`HostBuffer`)."""
 
-    def __init__(self, num_slots: int, stride: int, services: LoopServices) -> None:
+    def __init__(self, num_slots: int, stride: int, services: LoopServices, huge_pages: bool = True) -> None:
         self._svc = services
-        self.slab = HostBuffer(num_slots * stride)
+        self.slab = HostBuffer(num_slots * stride, huge_pages)
         self.stride = stride
         self.leases = [Lease(i, self.slab.addr + i * stride) for i in range(num_slots)]
         self._free: deque[Lease] = deque(self.leases)

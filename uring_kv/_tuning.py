@@ -64,6 +64,7 @@ class Tuning:
     cuda_staged: bool = True  # False: no device staging + scatter kernel
     cuda_batch: bool = True  # False: no cuMemcpyBatchAsync (one driver call per piece)
     start_hop: bool = True  # False: a batch does not yield the loop between its set-up and first I/O
+    huge_pages: bool = True  # False: no MADV_HUGEPAGE on the staging slots (see _memory.HostBuffer)
 
     def __post_init__(self) -> None:
         if self.io not in ("auto", "uring", "threads"):
@@ -102,6 +103,7 @@ class Tuning:
             cuda_staged=on("CUDA_STAGED", d.cuda_staged),
             cuda_batch=on("CUDA_BATCH", d.cuda_batch),
             start_hop=on("START_HOP", d.start_hop),
+            huge_pages=on("HUGE_PAGES", d.huge_pages),
         )
 
     def as_dict(self) -> dict[str, Any]:

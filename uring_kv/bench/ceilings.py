@@ -32,7 +32,7 @@ class RingCeiling:
 
     def __init__(self, fd: int, stride: int, depth: int) -> None:
         self.fd, self.stride, self.depth = fd, stride, depth
-        self.buffer = HostBuffer(stride * depth)
+        self.buffer = HostBuffer(stride * depth, huge_pages=True)  # as the engine's slots: see HostBuffer
 
     def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
         offsets = [d * self.stride for d in disk_blocks]
