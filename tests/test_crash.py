@@ -134,7 +134,7 @@ async def test_power_loss_never_serves_a_bad_block(fault_fs: tuple[Path, FaultSt
     rng = random.Random(31 + fsync)
     keep = 0.5 if fsync else 0.95
     problems: list[str] = []
-    lost = refused_total = held_total = 0
+    lost = refused_total = held_total = rounds_held = 0
     for round_ in range(POWER_CUTS):
         ready, progress = context.Event(), context.Value("q", 0, lock=False)
         child = context.Process(target=crashload.run, args=(str(path), round_, fsync, ready, progress))
@@ -148,13 +148,18 @@ async def test_power_loss_never_serves_a_bad_block(fault_fs: tuple[Path, FaultSt
         lost += state.power_cut(rng, keep)
         held, wrong, refused = await check_reopened(path, fsync)
         held_total += len(held)
+        rounds_held += bool(held)
         refused_total += refused
         problems += [f"round {round_}: {problem}" for problem in wrong]
         if fsync and refused:
             problems.append(f"round {round_}: {refused} blocks failed their crc32c check")
     assert not problems, "\n".join(problems[:20])
-    totals = f"{lost} writes lost, {held_total} keys held, {refused_total} blocks refused"
-    assert lost > POWER_CUTS and held_total > POWER_CUTS * crashload.CAPACITY // 4, totals  # not vacuous
+    totals = (f"{lost} writes lost, {held_total} keys held (after {rounds_held} of {POWER_CUTS} cuts), "
+              f"{refused_total} blocks refused")
+    # not vacuous: writes were lost, and reopened stores served keys (how many depends on how far
+    # the child got before the cut: without fsync, 140 to 270 keys after 13 to 20 of the 20 cuts on
+    # a two-core machine with three busy processes beside it; with fsync over 500 after all 20)
+    assert lost > POWER_CUTS and rounds_held >= POWER_CUTS // 4 and held_total > POWER_CUTS, totals
     assert fsync or refused_total > 0, totals  # without fsync, rows did outlive their bytes: the check caught them
 
 
