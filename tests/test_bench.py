@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import rich.console
 import torch
@@ -621,3 +622,17 @@ def test_striped_bench_reports_wrong_bytes(tmp_path: Path, monkeypatch: pytest.M
     assert code == 1
     gets = [line.split()[-1] for line in printed.splitlines() if line.startswith("uring_kv striped get")]
     assert gets == ["NO", "NO"]
+
+
+def test_the_one_pass_identity_check_agrees_with_identity_words() -> None:
+    """stamp_identity writes what identity_words builds; holds_identity catches a flipped bit and
+    another key's row (what the framework benches check every moved row with)."""
+    from uring_kv.bench.workload import holds_identity, identity_words, stamp_identity
+
+    words = np.zeros((4, 512), dtype=np.int64)
+    stamp_identity(words, [7, 8, 9, 10])
+    assert torch.equal(torch.from_numpy(words), identity_words([7, 8, 9, 10], 0, 512, "cpu"))
+    assert holds_identity(words, [7, 8, 9, 10])
+    assert not holds_identity(words, [7, 8, 10, 9])
+    words[2, 300] ^= 1 << 40
+    assert not holds_identity(words, [7, 8, 9, 10])

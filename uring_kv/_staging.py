@@ -87,7 +87,7 @@ class SlotPool:
     """``num_slots`` slots of ``stride`` bytes in one page-aligned slab (on huge pages where the
     kernel gives them: see :class:`HostBuffer`)."""
 
-    def __init__(self, num_slots: int, stride: int, services: LoopServices, huge_pages: bool = True) -> None:
+    def __init__(self, num_slots: int, stride: int, services: LoopServices, huge_pages: bool) -> None:
         self._svc = services
         self.slab = HostBuffer(num_slots * stride, huge_pages)
         self.stride = stride

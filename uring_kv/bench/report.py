@@ -130,12 +130,14 @@ def render(result: dict[str, Any], console: Any, verbose: bool = False) -> None:
     from rich import box
     from rich.table import Table
 
+    def say(text: str, **style: Any) -> None:  # plain text: no markup ("uring-kv[peers]"), no highlighting
+        console.print(text, highlight=False, markup=False, **style)
+
     for line in header(result):
-        console.print(line, highlight=False, markup=False)
+        say(line)
     for line in verdict(result):
-        console.print(line, highlight=False, markup=False)
-    console.print("N× = uring_kv's GB/s ÷ the method's; 'of limit' = the share of a ceiling it reached",
-                  style="dim", highlight=False, markup=False)
+        say(line)
+    say("N× = uring_kv's GB/s ÷ the method's; 'of limit' = the share of a ceiling it reached", style="dim")
     table = Table(box=box.SIMPLE, pad_edge=False)
     columns = ["block", "case", "op", "method", "GB/s", "uring_kv", "p99 ms", "lag max ms", "ok"]
     if verbose:
@@ -161,16 +163,16 @@ def render(result: dict[str, Any], console: Any, verbose: bool = False) -> None:
     console.print(table)
     notes = {key: note for extra in result["extra"].values() for key, note in extra.get("notes", {}).items()}
     for key, note in notes.items():
-        console.print(f"{key}: {note}", highlight=False, markup=False)
+        say(f"{key}: {note}")
     if verbose:
         for size, extra in result["extra"].items():
             for case in ("cold", "hot"):
                 if case in extra:
                     facts = ", ".join(f"{k}={v}" for k, v in extra[case].items())
-                    console.print(f"{_size(int(size))} {case}: {facts}", highlight=False, markup=False)
+                    say(f"{_size(int(size))} {case}: {facts}")
             if extra.get("depth_sweep"):
                 sweep = ", ".join(f"QD{d} {r:.2f}" for d, r in extra["depth_sweep"].items())
-                console.print(f"{_size(int(size))} ring ceiling GB/s by depth: {sweep}", highlight=False, markup=False)
+                say(f"{_size(int(size))} ring ceiling GB/s by depth: {sweep}")
 
 
 def plot(result: dict[str, Any], path: str) -> None:

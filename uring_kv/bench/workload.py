@@ -7,10 +7,12 @@ and, once loaded, in the cache rows, so a block landing in the wrong place, torn
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from uring_kv._memory import HostBuffer
@@ -25,6 +27,26 @@ def identity_words(disk_blocks: list[int], first_word: int, words: int, device: 
     column = torch.arange(first_word, first_word + words, dtype=torch.int64, device=device)
     row = torch.tensor(disk_blocks, dtype=torch.int64, device=device) << 32
     return row[:, None] | column[None, :]
+
+
+@functools.cache
+def _word_numbers(words: int) -> np.ndarray:
+    """0, 1, ..., words - 1: the low half of every word of the identity pattern."""
+    return np.arange(words, dtype=np.int64)
+
+
+def stamp_identity(words: np.ndarray, numbers: list[int]) -> None:
+    """In place, row ``i`` of ``words`` ([len(numbers), n] int64) gets key ``numbers[i]``'s identity
+    pattern (word w: ``numbers[i] << 32 | w``), as :func:`identity_words` builds it, in one pass."""
+    np.bitwise_or(_word_numbers(words.shape[1]), (np.array(numbers, dtype=np.int64) << 32)[:, None], out=words)
+
+
+def holds_identity(words: np.ndarray, numbers: list[int]) -> bool:
+    """Whether every word of every row of ``words`` holds what :func:`stamp_identity` writes there
+    (one pass, nothing the size of the rows built first: cheap enough to check every row a bench
+    moves without slowing what it measures)."""
+    high = (np.array(numbers, dtype=np.int64) << 32)[:, None]
+    return bool(((words ^ _word_numbers(words.shape[1])) == high).all())
 
 
 class Workload:

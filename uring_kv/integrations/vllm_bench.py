@@ -17,7 +17,6 @@ cold: the page cache is dropped for the fs tier's files before the promotions
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from uring_kv.bench.results import framework_report, percentile, progress_printer
+from uring_kv.bench.workload import holds_identity, stamp_identity
 
 TIERS = {
     "uring_kv": {"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm"},
@@ -81,26 +81,6 @@ def _key(n: int) -> bytes:
     return bytes(make_offload_key(n.to_bytes(8, "big"), 0))
 
 
-@functools.cache
-def _word_numbers(words: int) -> np.ndarray:
-    """0, 1, ..., words - 1: the low half of every word of the bench's identity pattern."""
-    return np.arange(words, dtype=np.int64)
-
-
-def _stamp(rows: np.ndarray, first: int, numbers: list[int]) -> None:
-    """Rows ``first``.. get the identity pattern of keys ``numbers`` (every 8-byte word of key
-    ``n``'s row holds ``n << 32 | word``), a job at once, in place."""
-    words = rows[first:first + len(numbers)].view(np.int64)
-    np.bitwise_or(_word_numbers(words.shape[1]), (np.array(numbers, dtype=np.int64) << 32)[:, None], out=words)
-
-
-def _stamped(rows: np.ndarray, first: int, numbers: list[int]) -> bool:
-    """Whether rows ``first``.. hold the patterns of keys ``numbers``, every word of every row (one
-    pass over the rows: the job's check must not be what limits the rate the bench measures)."""
-    words = rows[first:first + len(numbers)].view(np.int64)
-    return bool(((words ^ _word_numbers(words.shape[1])) == (np.array(numbers, dtype=np.int64) << 32)[:, None]).all())
-
-
 def _drive(tier: Any, rows: np.ndarray, order: list[int], job_keys: int, in_flight: int, promote: bool,
            ) -> tuple[float, list[float], bool]:
     """Run ``order``'s keys through ``tier`` in jobs of ``job_keys``: seconds, job latencies, and
@@ -121,7 +101,7 @@ def _drive(tier: Any, rows: np.ndarray, order: list[int], job_keys: int, in_flig
             first = group * job_keys
             chunks = np.arange(first, first + len(numbers), dtype=np.int32)
             if not promote:
-                _stamp(rows, first, numbers)
+                stamp_identity(rows[first:first + len(numbers)].view(np.int64), numbers)
             else:
                 rows[first:first + len(numbers)] = 0
             job = TransferJob(job_id=next_job, keys=[_key(n) for n in numbers], chunk_ids=chunks,
@@ -135,7 +115,8 @@ def _drive(tier: Any, rows: np.ndarray, order: list[int], job_keys: int, in_flig
             latencies.append(time.perf_counter() - submitted)
             ok &= bool(result.success)
             if promote and result.success:
-                ok &= _stamped(rows, group * job_keys, numbers)
+                first = group * job_keys
+                ok &= holds_identity(rows[first:first + len(numbers)].view(np.int64), numbers)
             free.append(group)
     return time.perf_counter() - start, latencies, ok
 
