@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from uring_kv.bench.results import framework_report, percentile, progress_printer
-from uring_kv.bench.workload import identity_words
+from uring_kv.bench.workload import holds_identity, stamp_identity
 
 BACKENDS = ("uring_kv", "file")
 TOKENS_PER_PAGE = 64  # the host pool's page_size
@@ -113,17 +113,13 @@ class HostPool:
 
     def stamp(self) -> None:
         """Page ``n``: the bench's identity pattern, every 8-byte word ``n << 32 | word``."""
-        for first in range(0, self.page_num, 64):
-            numbers = list(range(first, min(first + 64, self.page_num)))
-            self.words[first:first + len(numbers)] = identity_words(numbers, 0, self.words.shape[1], "cpu")
+        stamp_identity(self.words.numpy(), list(range(self.page_num)))
 
     def stamped(self) -> bool:
-        for first in range(0, self.page_num, 64):
-            numbers = list(range(first, min(first + 64, self.page_num)))
-            expected = identity_words(numbers, 0, self.words.shape[1], "cpu")
-            if not torch.equal(self.words[first:first + len(numbers)], expected):
-                return False
-        return True
+        """Whether every page holds its identity pattern (checked 64 pages at a time: bounded temporaries)."""
+        words = self.words.numpy()
+        return all(holds_identity(words[first:first + 64], list(range(first, min(first + 64, self.page_num))))
+                   for first in range(0, self.page_num, 64))
 
 
 def _key(n: int) -> str:
