@@ -248,3 +248,47 @@ def test_a_store_dropped_without_close_closes_itself(tmp_path: Path, leaves_noth
     assert pending.done() and pending.exception() is None  # finished before the close
     gc.collect()
     assert sys.getrefcount(tensor) == references, "the dropped store still holds the caches"
+
+
+def test_cancelling_a_future_does_not_give_the_rows_back_early(tmp_path: Path, leaves_nothing: None) -> None:
+    """A get's future refuses cancel(): the call owns its rows until it ends. (A future that ended
+    at cancel(), as asyncio.run_coroutine_threadsafe's does, let the caller refill rows that the
+    loop's get then overwrote.)"""
+    caches = id_caches("cpu", blocks=16)
+    with SyncBlockStore(caches, tmp_path / "kv.bin", 8, num_slots=1, copy_delay=0.05) as store:
+        fill_keys(caches, list(range(4)), list(range(4)))
+        store.put([key(i) for i in range(4)], range(4))
+        future = store.submit_get([key(i) for i in range(4)], [8, 9, 10, 11])
+        time.sleep(0.01)
+        assert future.cancel() is False and not future.cancelled() and not future.done()
+        assert future.result(timeout=10) is None
+        assert [identify(caches, row) for row in (8, 9, 10, 11)] == [(i, 1, True) for i in range(4)]
+
+
+def test_a_store_whose_last_reference_goes_on_its_own_thread_still_closes(tmp_path: Path,
+                                                                          leaves_nothing: None) -> None:
+    """The last reference to a SyncBlockStore held by a callback on its own thread (a framework's
+    completion callback holding its tier): the finalizer cannot wait there, so the loop closes the
+    store and then stops: no thread or fd is left (leaves_nothing)."""
+    import gc
+    import weakref
+
+    caches = id_caches("cpu", blocks=8)
+    store = SyncBlockStore(caches, tmp_path / "kv.bin", 8, num_slots=2, copy_delay=0.05)
+    thread, alive = store.thread, weakref.ref(store)
+    fill_keys(caches, [0], [0])
+    outcomes: list[BaseException | None] = []
+
+    def holding(done: concurrent.futures.Future[None], held: SyncBlockStore = store) -> None:
+        outcomes.append(done.exception())
+
+    pending = store.submit_put([key(0)], [0])
+    pending.add_done_callback(holding)
+    del store, pending, holding  # the callback, run on the store's thread, holds the last reference
+    for _ in range(200):
+        gc.collect()
+        if alive() is None and not thread.is_alive():
+            break
+        time.sleep(0.01)
+    assert alive() is None and not thread.is_alive()
+    assert outcomes == [None]

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import threading
 import weakref
 from collections.abc import Coroutine, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 from uring_kv.errors import EngineClosedError
@@ -46,6 +47,7 @@ class LoopThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._failure: BaseException | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()  # calls under way (see submit)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -76,9 +78,44 @@ class LoopThread:
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Run ``coro`` on the loop; returns at once. Its result or exception goes to the future.
-        Coroutines submitted from one thread start in submission order."""
+        Coroutines submitted from one thread start in submission order.
+
+        The future is running from the start, so ``cancel()`` returns False and changes nothing:
+        a call on the loop owns the memory it was given until it ends, and a future that ended
+        before it (as ``asyncio.run_coroutine_threadsafe``'s does when cancelled) would hand that
+        memory back while the call may still write to it. If the loop stops first, the future
+        gets ``concurrent.futures.CancelledError`` as its exception."""
         assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future: Future[T] = Future()
+        future.set_running_or_notify_cancel()
+
+        def start() -> None:
+            task = asyncio.ensure_future(coro)
+            self._tasks.add(task)  # (the loop keeps only a weak reference to a task)
+            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(functools.partial(_settle, future))
+
+        try:
+            self._loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop has ended
+            coro.close()
+            raise
+        return future
+
+    def finish_soon(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """From the loop's own thread, where nothing may wait for the loop: run ``coro`` on the
+        loop (its errors dropped), then stop the loop; the thread then ends by itself."""
+        assert self._loop is not None and self._stop is not None
+        stop = self._stop
+
+        async def last() -> None:
+            try:
+                with contextlib.suppress(Exception):
+                    await coro
+            finally:
+                stop.set()
+
+        self._loop.call_soon(self.submit, last())  # (its future is not needed: the loop ends with it)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result (never from the loop's own thread)."""
@@ -230,13 +267,24 @@ class SyncBlockStore:
 
 
 def _close_abandoned(loop: LoopThread, store: BlockStore | StripedBlockStore) -> None:
-    """A SyncBlockStore's finalizer: close its store and its thread, unless it runs on that thread
-    (then the loop just stops once the thread is done with its current step)."""
+    """A SyncBlockStore's finalizer: close its store and its thread. On that thread (the last
+    reference went in a callback there) it cannot wait: the loop closes the store next, then stops."""
     if loop.in_thread():
+        loop.finish_soon(store.aclose())
         return
     with contextlib.suppress(Exception):
         loop.run(store.aclose())
     loop.close()
+
+
+def _settle(future: Future[Any], task: asyncio.Future[Any]) -> None:
+    """A loop call's outcome, to the future :meth:`LoopThread.submit` gave out."""
+    if task.cancelled():
+        future.set_exception(CancelledError())
+    elif (error := task.exception()) is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(task.result())
 
 
 def _rows(rows: Iterable[int]) -> list[int]:
