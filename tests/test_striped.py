@@ -6,6 +6,7 @@ version 1."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 from pathlib import Path
@@ -17,7 +18,14 @@ from aio import settle, task_group
 from conftest import BOTH_BACKENDS, random_caches
 from faultfs import FaultState
 
-from uring_kv import GeometryMismatchError, KeyIOError, KeyMissingError, StripedBlockStore, SyncBlockStore
+from uring_kv import (
+    EngineClosedError,
+    GeometryMismatchError,
+    KeyIOError,
+    KeyMissingError,
+    StripedBlockStore,
+    SyncBlockStore,
+)
 from uring_kv.testing import fill, id_caches, identify
 
 
@@ -214,3 +222,48 @@ async def test_a_pinned_key_is_not_evicted_from_its_stripe(tmp_path: Path) -> No
         assert not store.contains(key(0))
         with pytest.raises(TypeError, match="not one key"):
             store.pin(key(1))  # type: ignore[arg-type]
+
+
+async def test_a_get_racing_an_eviction_loads_every_key_it_does_not_report(tmp_path: Path) -> None:
+    """A get's parts start a loop turn after it checked its keys; a put evicting one of them
+    meanwhile fails that key alone (ENOENT) and every other key of its stripe is loaded. (Once, the
+    stripe's whole part was skipped while only the evicted key was reported: rows left stale.)"""
+    caches = id_caches("cpu", blocks=16)
+    for i in range(6):
+        fill(caches, i, i, 1)
+    async with StripedBlockStore(caches, [tmp_path / "a.bin", tmp_path / "b.bin"], 4, 2) as store:
+        await store.put([key(i) for i in range(4)], range(4))
+        older, younger = spread(store, range(4))[0]  # stripe 0's keys, least recently used first
+        fill(caches, 10, 99, 9)
+        fill(caches, 11, 99, 9)
+        async with task_group() as tasks:
+            put = tasks.spawn(store.put, [key(4), key(5)], [4, 5])  # one new key a stripe: each evicts
+            get = tasks.spawn(store.get, [key(older), key(younger)], [10, 11])
+            await put.join()
+            with pytest.raises(KeyIOError) as info:
+                await get.join()
+        assert info.value.failures == {key(older): errno.ENOENT}
+        assert identify(caches, 11) == (younger, 1, True)
+        assert identify(caches, 10) == (99, 9, True)  # the evicted key's row untouched
+
+
+def test_a_striped_put_under_way_when_close_begins_finishes_in_every_stripe(tmp_path: Path) -> None:
+    """aclose() called the loop turn after a put began (its stripes' parts scheduled, not started:
+    what SyncBlockStore.close() right after a submit_put does) lets the put finish in every stripe.
+    (Once, the first stripe was already closing when its part started: the put failed with
+    EngineClosedError while the second stripe's keys landed.)"""
+    caches = id_caches("cpu", blocks=16)
+    for i in range(4):
+        fill(caches, i, i, 1)
+
+    async def main() -> list[int]:
+        store = await StripedBlockStore(caches, [tmp_path / "a.bin", tmp_path / "b.bin"], 8, 2).open()
+        put = asyncio.ensure_future(store.put([key(i) for i in range(4)], range(4)))
+        await asyncio.sleep(0)  # the put's first step: keys placed, the parts scheduled
+        await store.aclose()
+        assert put.done() and put.exception() is None
+        with pytest.raises(EngineClosedError):
+            await store.put([key(5)], [5])
+        return [stripe.engine.metrics()["store"]["blocks"] for stripe in store.stripes]
+
+    assert asyncio.run(main()) == [2, 2]

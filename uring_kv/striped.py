@@ -39,7 +39,7 @@ from typing import Any
 
 from uring_kv._args import capacity_in_blocks
 from uring_kv._loop import LoopServices, current_services
-from uring_kv.errors import KeyIOError, KeyMissingError, UringKVError
+from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError, UringKVError
 from uring_kv.store import BlockStore
 
 
@@ -82,6 +82,9 @@ class StripedBlockStore:
                                    else fingerprint, **engine_options)
                         for position, (path, share) in enumerate(zip(resolved, shares, strict=True))]
         self._svc: LoopServices | None = None
+        self._closing = False
+        self._busy = 0  # puts and gets under way: aclose() lets them end before it closes a stripe
+        self._idle: Any = None  # a future aclose() waits on for the last of them
         self._placing: dict[bytes, list[int]] = {}  # keys puts are placing: [stripe, puts placing it]
         self._turn = 0  # the stripe that takes the next new key among equally full ones
 
@@ -115,7 +118,22 @@ class StripedBlockStore:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every stripe (each even if another's closing failed; the first failure is raised)."""
+        """Refuse new calls, let those under way end (a put's or get's stripes all run, so no call
+        is cut in half), then close every stripe (each even if another's closing failed; the first
+        failure is raised). A cancelled aclose() still closes, then raises the cancellation."""
+        self._closing = True
+        if self._svc is None:
+            await self._close_stripes()
+        else:
+            await self._svc.run_to_completion(self._close(self._svc))
+
+    async def _close(self, svc: LoopServices) -> None:
+        while self._busy:
+            self._idle = svc.create_future()
+            await svc.wait_through_cancellation(self._idle)
+        await self._close_stripes()
+
+    async def _close_stripes(self) -> None:
         failure: BaseException | None = None
         for stripe in self.stripes:
             try:
@@ -175,32 +193,43 @@ class StripedBlockStore:
     async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """:meth:`BlockStore.put`, each key in its stripe, the stripes at once."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=True)
-        self._check_open()
+        svc = self._check_open()
         parts = self._place(key_list, row_list)
+        self._busy += 1
         try:
-            await self._fan_out("put", key_list, parts, after)
+            await self._fan_out(svc, "put", key_list, parts, after)
         finally:
             for key in key_list:
                 entry = self._placing[key]
                 entry[1] -= 1
                 if not entry[1]:
                     del self._placing[key]
+            self._op_done()
 
     async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """:meth:`BlockStore.get`, each key from its stripe, the stripes at once."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
+        svc = self._check_open()
         parts, missing = self._split(key_list, row_list)
         if missing:
             raise KeyMissingError(missing)
-        await self._fan_out("get", key_list, parts, after)
+        self._busy += 1
+        try:
+            await self._fan_out(svc, "get", key_list, parts, after)
+        finally:
+            self._op_done()
 
     async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
         """:meth:`BlockStore.get_present`, over the stripes at once: the keys loaded, in call order."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
-        parts, _ = self._split(key_list, row_list)
         svc = self._check_open()
-        loaded = await svc.gather([self.stripes[position].get_present(part_keys, part_rows, after)
-                                   for position, (part_keys, part_rows) in parts.items()])
+        parts, _ = self._split(key_list, row_list)
+        self._busy += 1
+        try:
+            loaded = await svc.gather([self.stripes[position].get_present(part_keys, part_rows, after)
+                                       for position, (part_keys, part_rows) in parts.items()])
+        finally:
+            self._op_done()
         held = {key for part in loaded for key in part}
         return [key for key in key_list if key in held]
 
@@ -244,19 +273,23 @@ class StripedBlockStore:
             part[1].append(row)
         return parts
 
-    async def _fan_out(self, op: str, keys: list[bytes], parts: dict[int, tuple[list[bytes], list[int]]],
-                       after: Any) -> None:
-        svc = self._check_open()
-
+    async def _fan_out(self, svc: LoopServices, op: str, keys: list[bytes],
+                       parts: dict[int, tuple[list[bytes], list[int]]], after: Any) -> None:
         async def part(position: int, part_keys: list[bytes], part_rows: list[int]) -> dict[bytes, int]:
             stripe = self.stripes[position]
+            # A part starts a loop turn after the call checked its keys: a key of a get's part
+            # evicted meanwhile fails alone (ENOENT); the others are loaded. (The stripe's own
+            # get, checking again with no await in between, then finds every key it is given.)
+            gone = {} if op == "put" else {key: errno.ENOENT for key in part_keys if not stripe.contains(key)}
+            if gone:
+                kept = [(key, row) for key, row in zip(part_keys, part_rows, strict=True) if key not in gone]
+                part_keys, part_rows = [key for key, _ in kept], [row for _, row in kept]
             try:
-                await (stripe.put if op == "put" else stripe.get)(part_keys, part_rows, after)
+                if part_keys:
+                    await (stripe.put if op == "put" else stripe.get)(part_keys, part_rows, after)
             except KeyIOError as exc:
-                return exc.failures
-            except KeyMissingError as exc:  # evicted since the check (get)
-                return {key: errno.ENOENT for key in exc.keys}
-            return {}
+                return {**gone, **exc.failures}
+            return gone
 
         results = await svc.gather([part(position, part_keys, part_rows)
                                     for position, (part_keys, part_rows) in parts.items()])
@@ -264,7 +297,14 @@ class StripedBlockStore:
         if failures:
             raise KeyIOError(op, {key: failures[key] for key in keys if key in failures})
 
+    def _op_done(self) -> None:
+        self._busy -= 1
+        if not self._busy and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
     def _check_open(self) -> LoopServices:
+        if self._closing:
+            raise EngineClosedError(f"striped block store is {'closed' if self.closed else 'closing'}")
         for stripe in self.stripes:
             stripe._check_open()  # (raises EngineClosedError, or RuntimeError off the loop)
         if self._svc is None:
