@@ -23,7 +23,7 @@ from aio import settle, task_group
 from conftest import BOTH_BACKENDS
 
 import uring_kv._index as index_module
-from uring_kv import BlockStore, GeometryMismatchError, KeyIOError, SyncBlockStore
+from uring_kv import BlockStore, EngineClosedError, GeometryMismatchError, KeyIOError, SyncBlockStore
 from uring_kv._index import Index
 from uring_kv.testing import fill, id_caches, identify
 
@@ -164,6 +164,39 @@ async def test_a_different_stride_is_refused(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(GeometryMismatchError, match=f"stride .* is {stride * 2} here, the files were written "
                                                     f"with {stride}"):
         await store_at(path, id_caches("cpu")).open()
+
+
+@pytest.mark.parametrize("anyio_backend", BOTH_BACKENDS)
+async def test_a_store_closed_while_it_opens_fails_its_open_cleanly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """aclose() while open() restores the index (a slow disk): open() raises EngineClosedError,
+    the store serves nothing, and the restore never read through an fd that aclose() closed
+    (once it did: EBADF, or a number reused by another file). The files stay sound."""
+    path = tmp_path / "kv.bin"
+    caches = id_caches("cpu")
+    async with store_at(path, caches) as store:
+        await put_ids(store, caches, [0, 1])
+    real = Index._restore
+    restoring = threading.Event()
+
+    def slow_restore(self: Index, data_fd: int, *args: Any) -> Any:  # on the index's thread
+        restoring.set()
+        time.sleep(0.2)  # a slow disk: aclose() runs meanwhile
+        return real(self, data_fd, *args)
+
+    monkeypatch.setattr(Index, "_restore", slow_restore)
+    store = store_at(path, caches)
+    async with task_group() as tasks:
+        opening = tasks.spawn(store.open)
+        while not restoring.is_set():
+            await anyio.sleep(0.005)
+        await store.aclose()
+        with pytest.raises(EngineClosedError, match="closed while it opened"):
+            await opening.join()
+    assert store.closed and not store.contains(key(0)) and store.stats()["keys"] == 0
+    monkeypatch.undo()
+    async with store_at(path, caches) as again:
+        await check_ids(again, caches, [0, 1])
 
 
 async def test_the_lru_order_and_the_capacity_survive_a_restart(tmp_path: Path) -> None:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 from uring_kv._index import FORMAT, Index, failure_errno
 from uring_kv._loop import LoopServices
-from uring_kv.errors import BlockIOError
+from uring_kv.errors import BlockIOError, EngineClosedError
 
 if TYPE_CHECKING:
     from uring_kv.store import BlockStore
@@ -47,10 +48,25 @@ class Kept:
         store = self._store
         engine = store.engine
         db = self.db = Index(engine.path + ".index", engine.path, self.fsync, svc)
+
+        def still_opening() -> None:  # after each wait: aclose() may have begun meanwhile
+            if store._state != "opening":
+                raise EngineClosedError(f"block store {engine.path} was closed while it opened")
+
         try:
             await db.open(self.geometry())
+            still_opening()
             await engine.open()
-            restored = await db.restore(engine.file.fd, engine.file.stride, store.capacity, engine.file.created)
+            still_opening()
+            # The index thread reads the blocks through its own copy of the fd, made from this one
+            # here, where aclose() cannot close it first (a number closed and reused meanwhile
+            # would be another file).
+            fd = os.dup(engine.file.fd)
+            try:
+                restored = await db.restore(fd, engine.file.stride, store.capacity, engine.file.created)
+            finally:
+                os.close(fd)
+            still_opening()
             engine.adopt({disk_block: crc for _, disk_block, crc in restored.rows})
         except BaseException:
             await svc.run_to_completion(self._abandon(db))
