@@ -70,6 +70,28 @@ async def test_many_writes_then_reads_in_flight(backend: IOBackend, data_file: i
     buf.close()
 
 
+async def test_slot_numbers_past_16_bits_pass_when_buffers_are_not_registered(backend: IOBackend,
+                                                                                data_file: int) -> None:
+    """An engine's ops carry their slot's index, which names a registered buffer only when the
+    slots are registered (the kernel takes at most 16384). With more slots than an SQE's 16-bit
+    buffer field holds, and none registered, the ops still complete (once, slot 65536 broke the
+    submission: the ops were never sent, and the batch, its cancellation and aclose() hung)."""
+    size, count = 4096, 3
+    buf = HostBuffer(2 * count * size)
+    done: dict[int, int] = {}
+    with anyio.fail_after(10):
+        for write, base in ((True, 0), (False, count * size)):
+            if write:
+                for i in range(count):
+                    buf.view[i * size:(i + 1) * size] = pattern(i, size)
+            await submit_all(backend, [Op(write, data_file, buf.addr + base + i * size, size, i * size,
+                                          functools.partial(done.__setitem__, (write, i)), (1 << 16) + i)
+                                       for i in range(count)])
+    assert done == {(write, i): size for write in (True, False) for i in range(count)}
+    assert all(buf.view[(count + i) * size:(count + i + 1) * size] == pattern(i, size) for i in range(count))
+    buf.close()
+
+
 async def test_short_read_raises_with_offset(backend: IOBackend, data_file: int) -> None:
     os.pwrite(data_file, b"x" * 6000, 0)
     buf = HostBuffer(8192)

@@ -311,6 +311,8 @@ class UringBackend(IOBackend):
         self._pump_handlers.pop(pump, None)
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
+        if len(regions) > 1 << 16:  # an SQE names a registered buffer in 16 bits (the kernel takes 16384)
+            return False
         try:
             self._ring.register_buffers(regions)
         except OSError:  # ENOMEM under a small RLIMIT_MEMLOCK, EFAULT on odd memory: plain ops work
@@ -353,11 +355,14 @@ class UringBackend(IOBackend):
             user_data = self._next_user_data
             self._next_user_data += 1
             pending[user_data] = op
-            opcode = _OPCODES[op.write][op.buf_index >= 0 and use_fixed]
+            fixed = op.buf_index >= 0 and use_fixed
             fd, sqe_flags = op.fd, self._sqe_flags[op.write]
             if fd in fixed_fd:
                 fd, sqe_flags = fixed_fd[fd], sqe_flags | _FIXED_FILE
-            sqes.append((opcode, sqe_flags, max(op.buf_index, 0), fd, op.addr, op.length, op.offset, user_data))
+            # (a slot's index names a registered buffer only when the slots are registered, which
+            # caps them below the SQE's 16-bit field; unregistered slots may be more: they pass 0)
+            sqes.append((_OPCODES[op.write][fixed], sqe_flags, op.buf_index if fixed else 0, fd, op.addr, op.length,
+                         op.offset, user_data))
         tracer = self.tracer
         if tracer is not None:
             tracer("submit", None, len(sqes))
