@@ -115,7 +115,9 @@ class LoopThread:
             finally:
                 stop.set()
 
-        self._loop.call_soon(self.submit, last())  # (its future is not needed: the loop ends with it)
+        # (threadsafe: it wakes the loop, which a finalizer run inside the loop's own step may
+        # otherwise leave waiting in its selector; the future is not needed: the loop ends with it)
+        self._loop.call_soon_threadsafe(self.submit, last())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result (never from the loop's own thread)."""
@@ -144,7 +146,8 @@ class SyncBlockStore:
     the store's call raised (:class:`KeyMissingError`, :class:`KeyIOError`, ...). Its callbacks run
     on the store's thread and must not block. ``contains`` / ``lookup`` / ``stats`` answer from the
     caller's thread without waiting for the loop. The cache rows a call names must stay untouched
-    (and alive) until its future completes.
+    (and alive) until its future completes; the future refuses ``cancel()`` (see
+    :meth:`LoopThread.submit`), so that moment is always the call's end.
 
     ``close()`` (or leaving ``with``) refuses new calls, lets every call submitted before it finish
     (each future gets its result, or an error saying the store closed), closes the store (the file
