@@ -78,7 +78,7 @@ async def test_slot_numbers_past_16_bits_pass_when_buffers_are_not_registered(ba
     submission: the ops were never sent, and the batch, its cancellation and aclose() hung)."""
     size, count = 4096, 3
     buf = HostBuffer(2 * count * size)
-    done: dict[int, int] = {}
+    done: dict[tuple[bool, int], int] = {}
     with anyio.fail_after(10):
         for write, base in ((True, 0), (False, count * size)):
             if write:
