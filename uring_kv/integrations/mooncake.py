@@ -252,7 +252,10 @@ class SyncTieredStore:
 
 
 def _close_abandoned(loop: LoopThread, store: TieredStore) -> None:
+    """The finalizer: close the store and its thread; on that thread (it cannot wait there) the
+    loop closes the store next, then stops."""
     if loop.in_thread():
+        loop.finish_soon(store.aclose())
         return
     with contextlib.suppress(Exception):
         loop.run(store.aclose())

@@ -106,6 +106,7 @@ class MooncakeTier(OpenClose):
         self.last_error = ""
         self._pending: set[Any] = set()  # write-back stores not yet answered
         self._state = "new"
+        self._ended: Any = None  # a future: the open() or aclose() under way ended (see aclose)
         self._counts = dict.fromkeys(("hits", "misses", "bad_values", "errors", "timeouts", "not_tried", "stored",
                                       "store_failures", "no_space"), 0)
 
@@ -122,14 +123,22 @@ class MooncakeTier(OpenClose):
         self._svc = current_services()
         self._state = "opening"
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="uring-kv-mooncake")
+        set_up = self._submit(self._set_up)
         try:
-            await self._svc.wait(self._submit(self._set_up))
+            await self._svc.wait(set_up)
         except BaseException:
+            # Cancelled (a timeout), the set-up still runs on the worker: wait for it, then undo
+            # whatever it made (its client, the registered rows), so nothing outlives the tier.
+            await self._svc.wait_through_cancellation(set_up)
+            with contextlib.suppress(BaseException):
+                await self._svc.wait_through_cancellation(self._submit(self._tear_down))
             self._state = "closed"
-            self._executor.shutdown(wait=False)
+            await self._svc.run_to_completion(self._svc.to_thread(self._executor.shutdown, True))
+            self._finished()
             raise
         self.rows = StagingRows(self.config.staging_rows, self._svc)
         self._state = "open"
+        self._finished()
         return self
 
     def _set_up(self) -> None:
@@ -162,24 +171,40 @@ class MooncakeTier(OpenClose):
         """Wait for the write-backs and calls in flight (a call stuck on an unresponsive master
         returns within Mooncake's own RPC timeout, 30 s), unregister the rows, close the client
         (if it made it) and stop the worker thread. Idempotent."""
-        if self._state in ("closed", "closing", "new"):
+        if self._state in ("new", "closed"):
             self._state = "closed"
+            return
+        if self._state != "open":  # closing, or still opening: wait for that to end (then closed)
+            if self._ended is None:
+                self._ended = self.svc.create_future()
+            await self.svc.wait_through_cancellation(self._ended)
+            if self._state == "open":  # open() finished meanwhile: close it now
+                await self.aclose()
             return
         self._state = "closing"
         svc = self.svc
-        for fut in list(self._pending):
-            await svc.wait_through_cancellation(fut)
-        await self.rows.drained()  # a get may still be copying out of its rows: unmapping them waits
-        assert self._executor is not None
-        await svc.wait_through_cancellation(self._submit(self._tear_down))
-        await svc.to_thread(self._executor.shutdown, True)
-        self._state = "closed"
+        try:
+            for fut in list(self._pending):
+                await svc.wait_through_cancellation(fut)
+            await svc.run_to_completion(self.rows.drained())  # a get may still be copying out of its rows
+            assert self._executor is not None
+            await svc.wait_through_cancellation(self._submit(self._tear_down))
+            await svc.run_to_completion(svc.to_thread(self._executor.shutdown, True))
+        finally:
+            self._state = "closed"
+            self._finished()
+
+    def _finished(self) -> None:
+        """open() or aclose() has ended: wake any aclose() waiting for it."""
+        ended, self._ended = self._ended, None
+        if ended is not None and not ended.done():
+            ended.set_result(None)
 
     def _tear_down(self) -> None:
         staging, self._staging = self._staging, None
         if staging is not None:
             self._client.unregister_buffer(staging.addr)
-            if self.rows.resting:
+            if hasattr(self, "rows") and self.rows.resting:  # (no rows: open() did not finish)
                 _KEPT.append(staging)  # a resting row may still be a transfer's target: never unmap it
             else:
                 staging.close()
