@@ -273,6 +273,21 @@ def test_a_cascade_of_keys_already_held_counts_no_bytes(run: Run) -> None:
     assert result.success and result.transfer_bytes == 0
 
 
+def test_two_jobs_storing_the_same_new_key_count_its_bytes_once(run: Run) -> None:
+    """Two cascades of the same new key back to back: the second waits for the first's write and
+    writes nothing, so vLLM's backpressure sees the row's bytes once (they were counted at
+    submission, when the key was not yet visible, for both jobs)."""
+    tier = run.tier
+    (k,) = keys(500)
+    for job_id, row in ((81, 0), (82, 1)):
+        tier.submit_store(TransferJob(job_id=job_id, keys=[k], chunk_ids=np.array([row], np.int32),
+                                      is_promotion=False, req_context=ReqContext(req_id=f"twice{job_id}")))
+    tier.drain_jobs()
+    results = [r for r in tier.get_finished_jobs() if r.job_id in (81, 82)]
+    assert len(results) == 2 and all(r.success for r in results)
+    assert sum(r.transfer_bytes for r in results) == ROW
+
+
 def test_a_failed_store_is_never_a_hit(tmp_path: Path) -> None:
     """ENOSPC from a 1 MiB tmpfs under a tier allowed 4 MiB: the stores that did not fit report
     failure and their keys stay misses; the ones that fit promote byte-identical."""

@@ -158,7 +158,7 @@ async def test_a_block_being_read_is_never_evicted(make_store: StoreFactory) -> 
             assert store.stats()["pinned"] == 1
             with pytest.raises(KeyIOError) as info:
                 await store.put([key(2), key(3)], [2, 3])
-            assert info.value.failures == {key(3): NO_ROOM}
+            assert info.value.failures == {key(3): NO_ROOM} and info.value.written == 1
             await get.join()
         assert identify(caches, 4) == (0, 1, True)
         assert [store.contains(key(i)) for i in range(4)] == [True, False, True, False]
@@ -239,12 +239,14 @@ async def test_a_key_being_written_by_another_put_is_written_once(make_store: St
         async with task_group() as tasks:
             first = tasks.spawn(store.put, [key(0)], [0])
             await settle()
-            await store.put([key(0)], [1])
+            assert await store.put([key(0)], [1]) == 0  # it wrote nothing: the first put did
             assert store.contains(key(0))
-            await first.join()
+            assert await first.join() == 1
         await store.get([key(0)], [2])
         assert identify(caches, 2) == (0, 1, True)
         assert store.engine.metrics()["store"]["blocks"] == 1
+        fill(caches, 3, 1, 1)
+        assert await store.put([key(0), key(1)], [1, 3]) == 1  # key 0 held: only key 1 is written
 
 
 async def test_a_get_beside_a_put_of_the_same_key_reads_the_old_complete_bytes(make_store: StoreFactory) -> None:

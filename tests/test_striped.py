@@ -52,7 +52,8 @@ async def test_bytes_come_back_identical_from_every_file(tmp_path: Path) -> None
         path.parent.mkdir()
     async with StripedBlockStore(caches, paths, 30, 4) as store:
         assert [stripe.capacity for stripe in store.stripes] == [10, 10, 10]
-        await store.put([key(i) for i in range(24)], range(24))
+        assert await store.put([key(i) for i in range(24)], range(24)) == 24  # the keys written
+        assert await store.put([key(0), key(1)], [0, 1]) == 0  # held already: refreshed, not written
         held = [stripe.stats()["keys"] for stripe in store.stripes]
         assert sum(held) == 24 and all(held), f"a file got no key: {held}"
         for position, ids in spread(store, range(24)).items():

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_store import fill_keys, key
@@ -137,8 +138,9 @@ def test_close_finishes_the_calls_in_flight_and_refuses_later_ones(tmp_path: Pat
     fill_keys(caches, list(range(8)), list(range(8)))
     store.put([key(i) for i in range(4)], range(4))
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [*pool.map(lambda i: store.submit_put([key(i)], [i]), range(4, 8)),
-                   *pool.map(lambda i: store.submit_get([key(i)], [16 + i]), range(4))]
+        futures: list[concurrent.futures.Future[Any]] = [
+            *pool.map(lambda i: store.submit_put([key(i)], [i]), range(4, 8)),
+            *pool.map(lambda i: store.submit_get([key(i)], [16 + i]), range(4))]
     assert not all(f.done() for f in futures)
     store.close()
     assert all(f.done() for f in futures)
@@ -162,7 +164,7 @@ def test_submits_racing_close_are_refused_or_finished(tmp_path: Path, leaves_not
     caches = id_caches("cpu", blocks=32)
     store = SyncBlockStore(caches, tmp_path / "kv.bin", 8, num_slots=2, copy_delay=0.005)
     fill_keys(caches, list(range(4)), list(range(4)))
-    futures: list[concurrent.futures.Future[None]] = []
+    futures: list[concurrent.futures.Future[int]] = []
     refused = threading.Event()
 
     def submitter(index: int) -> None:
@@ -193,7 +195,7 @@ def test_a_blocking_call_on_the_stores_own_thread_is_refused(tmp_path: Path, lea
     with SyncBlockStore(caches, tmp_path / "kv.bin", 2, num_slots=1) as store:
         seen: list[BaseException] = []
 
-        def from_a_callback(_: concurrent.futures.Future[None]) -> None:  # runs on the store's thread
+        def from_a_callback(_: concurrent.futures.Future[int]) -> None:  # runs on the store's thread
             calls: list[Callable[[], None]] = [lambda: store.get([key(0)], [0]), store.close]
             for call in calls:
                 try:
@@ -279,7 +281,7 @@ def test_a_store_whose_last_reference_goes_on_its_own_thread_still_closes(tmp_pa
     fill_keys(caches, [0], [0])
     outcomes: list[BaseException | None] = []
 
-    def holding(done: concurrent.futures.Future[None], held: SyncBlockStore = store) -> None:
+    def holding(done: concurrent.futures.Future[int], held: SyncBlockStore = store) -> None:
         outcomes.append(done.exception())
 
     pending = store.submit_put([key(0)], [0])

@@ -69,10 +69,12 @@ class KeyIOError(UringKVError, OSError):
 
     Every key it names is absent from the store afterwards (a later ``get`` raises
     :class:`KeyMissingError`); every other key of the call was stored or loaded. ``EBUSY``
-    (``NO_ROOM``) means the put found no block to evict: every block was in flight."""
+    (``NO_ROOM``) means the put found no block to evict: every block was in flight. ``written``
+    (a put's): how many of the other keys this put wrote (as ``put`` returns when nothing fails)."""
 
-    def __init__(self, op: str, failures: dict[bytes, int]) -> None:
+    def __init__(self, op: str, failures: dict[bytes, int], written: int = 0) -> None:
         self.failures = dict(failures)
+        self.written = written
         first_errno = next(iter(self.failures.values()))
         parts = [f"{describe_key(key)} ({_reason(code)})" for key, code in list(self.failures.items())[:8]]
         more = f" and {len(self.failures) - 8} more" if len(self.failures) > 8 else ""

@@ -221,8 +221,10 @@ class BlockStore(OpenClose):
         return stats
 
     # ----------------------------------------------------------------- transfers (the loop)
-    async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
-        """Store cache row ``rows[i]`` under ``keys[i]``; returns once every key is visible.
+    async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> int:
+        """Store cache row ``rows[i]`` under ``keys[i]``; returns once every key is visible, with
+        the number of keys this put wrote (what it moved to disk: a framework's backpressure weighs
+        it).
 
         A visible key is not written again (its bytes cannot have changed), only refreshed in the
         LRU order; a key another put is writing is left to that put, and this one waits for it. A
@@ -230,7 +232,8 @@ class BlockStore(OpenClose):
         transfer is using. It becomes visible once its bytes are in the file.
 
         Raises :class:`KeyIOError` naming the keys that were not stored (an I/O error, or
-        ``NO_ROOM`` when every block was in flight); the others were. Bad arguments raise
+        ``NO_ROOM`` when every block was in flight; its ``written``: the keys this put wrote);
+        the others were. Bad arguments raise
         ValueError or TypeError before anything changes. If cancelled, none of the keys it was
         writing becomes visible. ``after``: see :meth:`Engine.store_batch` (GPU mode)."""
         key_list, row_list = self._arguments(keys, rows, after, unique_keys=True)
@@ -256,9 +259,12 @@ class BlockStore(OpenClose):
                 writes.append((entry, row))
         self._counts["no_room"] += len(failures)
         self._busy += 1
+        written = 0
         try:
             if writes:
-                failures.update(await self._write(writes, after))
+                failed = await self._write(writes, after)
+                written = len(writes) - len(failed)
+                failures.update(failed)
             for entry in others:
                 await svc.wait(entry.written)
                 if entry.error:
@@ -266,7 +272,8 @@ class BlockStore(OpenClose):
         finally:
             self._op_done()
         if failures:
-            raise KeyIOError("put", failures)
+            raise KeyIOError("put", failures, written)
+        return written
 
     async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """Load the bytes of ``keys[i]`` into cache row ``rows[i]``; returns once they are there.

@@ -190,14 +190,14 @@ class StripedBlockStore:
         return total
 
     # ----------------------------------------------------------------- transfers (the loop)
-    async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
-        """:meth:`BlockStore.put`, each key in its stripe, the stripes at once."""
+    async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> int:
+        """:meth:`BlockStore.put`, each key in its stripe, the stripes at once: the keys written."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=True)
         svc = self._check_open()
         parts = self._place(key_list, row_list)
         self._busy += 1
         try:
-            await self._fan_out(svc, "put", key_list, parts, after)
+            return await self._fan_out(svc, "put", key_list, parts, after)
         finally:
             for key in key_list:
                 entry = self._placing[key]
@@ -274,8 +274,10 @@ class StripedBlockStore:
         return parts
 
     async def _fan_out(self, svc: LoopServices, op: str, keys: list[bytes],
-                       parts: dict[int, tuple[list[bytes], list[int]]], after: Any) -> None:
-        async def part(position: int, part_keys: list[bytes], part_rows: list[int]) -> dict[bytes, int]:
+                       parts: dict[int, tuple[list[bytes], list[int]]], after: Any) -> int:
+        """Run each stripe's part at once: the keys written (puts), or KeyIOError naming every key
+        that failed in any stripe."""
+        async def part(position: int, part_keys: list[bytes], part_rows: list[int]) -> tuple[dict[bytes, int], int]:
             stripe = self.stripes[position]
             # A part starts a loop turn after the call checked its keys: a key of a get's part
             # evicted meanwhile fails alone (ENOENT); the others are loaded. (The stripe's own
@@ -284,18 +286,23 @@ class StripedBlockStore:
             if gone:
                 kept = [(key, row) for key, row in zip(part_keys, part_rows, strict=True) if key not in gone]
                 part_keys, part_rows = [key for key, _ in kept], [row for _, row in kept]
+            written = 0
             try:
-                if part_keys:
-                    await (stripe.put if op == "put" else stripe.get)(part_keys, part_rows, after)
+                if part_keys and op == "put":
+                    written = await stripe.put(part_keys, part_rows, after)
+                elif part_keys:
+                    await stripe.get(part_keys, part_rows, after)
             except KeyIOError as exc:
-                return {**gone, **exc.failures}
-            return gone
+                return {**gone, **exc.failures}, exc.written
+            return gone, written
 
         results = await svc.gather([part(position, part_keys, part_rows)
                                     for position, (part_keys, part_rows) in parts.items()])
-        failures = {key: code for result in results for key, code in result.items()}
+        failures = {key: code for result, _ in results for key, code in result.items()}
+        written = sum(int(count) for _, count in results)
         if failures:
-            raise KeyIOError(op, {key: failures[key] for key in keys if key in failures})
+            raise KeyIOError(op, {key: failures[key] for key in keys if key in failures}, written)
+        return written
 
     def _op_done(self) -> None:
         self._busy -= 1

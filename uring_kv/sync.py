@@ -208,8 +208,8 @@ class SyncBlockStore:
         return self.store.stats()
 
     # ----------------------------------------------------------------- submitted to the loop
-    def submit_put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[None]:
-        """:meth:`BlockStore.put` on the store's loop; returns its future at once."""
+    def submit_put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[int]:
+        """:meth:`BlockStore.put` on the store's loop; returns its future (the keys written) at once."""
         with self._lock:
             self._check_open()
             return self._loop.submit(self.store.put(list(keys), _rows(rows), after))
@@ -226,11 +226,11 @@ class SyncBlockStore:
             self._check_open()
             return self._loop.submit(self.store.get_present(list(keys), _rows(rows), after))
 
-    def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> None:
+    def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> int:
         """``submit_put(...).result(timeout)``: waits for the keys to be written (not from the
-        store's own thread). A timeout leaves the put running."""
+        store's own thread) and returns how many this put wrote. A timeout leaves the put running."""
         self._check_waitable()
-        self.submit_put(keys, rows, after).result(timeout)
+        return self.submit_put(keys, rows, after).result(timeout)
 
     def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> None:
         """``submit_get(...).result(timeout)``: waits for the rows to be loaded (not from the

@@ -117,33 +117,34 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
         if store is None:
             self._report(job, keys, [], 0, 0)
             return
-        # A store writes only the keys not held yet (what its bytes count, for vLLM's backpressure);
-        # a load takes the keys held when it runs on the store's thread: one evicted since vLLM's
-        # lookup fails alone.
-        fresh = 0 if load else sum(not store.contains(key) for key in keys)
+        # A store writes only the keys neither held nor being written by another job (the put
+        # counts them: what the job's bytes are, for vLLM's backpressure); a load takes the keys
+        # held when it runs on the store's thread: one evicted since vLLM's lookup fails alone.
         try:
             future: Future[Any] = store.submit_get_present(keys, rows) if load else store.submit_put(keys, rows)
         except EngineClosedError:
             self._report(job, keys, [], 0, 0)
             return
         start = time.monotonic()
-        future.add_done_callback(lambda done: self._done(job, keys, fresh, done, start))
+        future.add_done_callback(lambda done: self._done(job, keys, done, start))
 
-    def _done(self, job: TransferJob, keys: list[bytes], fresh: int, future: Future[Any], start: float) -> None:
+    def _done(self, job: TransferJob, keys: list[bytes], future: Future[Any], start: float) -> None:
         """On the store's thread (or the caller's, if already done): the keys that made it, then the
         job's result. Never raises: every job must be reported."""
         seconds = time.monotonic() - start
         try:
+            written = 0  # (a store's keys written)
             if future.cancelled():
                 ok: list[bytes] = []
             elif (error := future.exception()) is None:
                 ok = list(future.result()) if job.is_promotion else keys
+                written = 0 if job.is_promotion else int(future.result())
             elif isinstance(error, KeyIOError):
                 ok = [key for key in keys if key not in error.failures]
-                fresh -= len(error.failures)
+                written = error.written
             else:
                 ok = []
-            moved = len(ok) if job.is_promotion else max(0, fresh) if ok else 0
+            moved = len(ok) if job.is_promotion else written
         except BaseException:  # a report must go out whatever happened
             ok, moved = [], 0
         self._report(job, keys, ok, seconds, moved)

@@ -44,7 +44,7 @@ class Job:
     """One transfer: the futures of its groups' puts or gets, the bytes it moves, when it started
     and (once every future is done) when it ended."""
 
-    futures: list[Future[None]]
+    futures: list[Future[Any]]
     nbytes: int
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
@@ -53,7 +53,7 @@ class Job:
         for future in self.futures:
             future.add_done_callback(self._on_done)
 
-    def _on_done(self, _: Future[None]) -> None:
+    def _on_done(self, _: Future[Any]) -> None:
         if self.done():  # the last one (a later call finds ended set: it only moves forward)
             self.ended = time.perf_counter()
 
@@ -160,7 +160,7 @@ class KeyedRows:
         if key_index != len(keys):
             raise ValueError(f"{len(keys)} keys for {key_index} chunks")
         after = self._callers_stream_event() if plans else None
-        futures = []
+        futures: list[Future[Any]] = []
         for block_store, sub_keys, rows in plans:
             assert block_store is not None
             submit = block_store.submit_put if store else block_store.submit_get
