@@ -42,7 +42,7 @@ from typing import Any
 from uring_kv._args import capacity_in_blocks, checked_keys, normalise_caches
 from uring_kv._engine import Engine
 from uring_kv._kept import Kept
-from uring_kv._loop import LoopServices, OpenClose, current_services
+from uring_kv._loop import CallsUnderWay, LoopServices, OpenClose, current_services
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
 
 
@@ -113,8 +113,7 @@ class BlockStore(OpenClose):
         self._free: list[int] = []  # blocks given back
         self._fresh = 0  # blocks [_fresh, capacity) were never given out
         self._pinned = 0  # entries of the index with readers
-        self._busy = 0  # puts and gets under way
-        self._idle: Any = None  # a future aclose() waits on for the last of them
+        self._calls = CallsUnderWay()  # puts and gets: aclose() waits for the last of them
         self._closed: Any = None  # a future: closing finished
         self._svc: LoopServices | None = None
         self._state = "new"
@@ -173,9 +172,7 @@ class BlockStore(OpenClose):
         try:
             await self.engine.aclose()  # waits for every batch in flight (and for open() if it runs)
         finally:
-            while self._busy:  # their last step (index updates, pins) runs after their batches end
-                self._idle = svc.create_future()
-                await svc.wait_through_cancellation(self._idle)
+            await self._calls.none_left(svc)  # their last step (index updates, pins) runs after their batches
             if self._kept is not None:  # the last deletions and uses; the database is then closed
                 await self._kept.close(svc)
             for entry in self._index.values():
@@ -258,7 +255,7 @@ class BlockStore(OpenClose):
                 self._writing[key] = entry
                 writes.append((entry, row))
         self._counts["no_room"] += len(failures)
-        self._busy += 1
+        self._calls.enter()
         written = 0
         try:
             if writes:
@@ -270,7 +267,7 @@ class BlockStore(OpenClose):
                 if entry.error:
                     failures[entry.key] = entry.error
         finally:
-            self._op_done()
+            self._calls.leave()
         if failures:
             raise KeyIOError("put", failures, written)
         return written
@@ -296,7 +293,7 @@ class BlockStore(OpenClose):
             if not entry.readers:
                 self._pinned += 1
             entry.readers += 1
-        self._busy += 1
+        self._calls.enter()
         try:
             await self.engine.load_batch([entry.disk_block for entry in entries], row_list, after)
         except BlockIOError as exc:
@@ -310,7 +307,7 @@ class BlockStore(OpenClose):
         finally:
             for entry in entries:
                 self._unpin(entry)
-            self._op_done()
+            self._calls.leave()
 
     async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
         """Like :meth:`get`, for the keys of ``keys`` held when it runs (checked on the loop, so none
@@ -442,11 +439,6 @@ class BlockStore(OpenClose):
                 self._free.append(entry.disk_block)  # the last reader of a dropped key gives its block back
         else:
             self._pinned -= 1
-
-    def _op_done(self) -> None:
-        self._busy -= 1
-        if not self._busy and self._idle is not None and not self._idle.done():
-            self._idle.set_result(None)
 
     def _check_open(self) -> LoopServices:
         if self._state != "open":

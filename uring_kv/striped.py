@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from uring_kv._args import capacity_in_blocks
-from uring_kv._loop import LoopServices, current_services
+from uring_kv._loop import CallsUnderWay, LoopServices, current_services
 from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError, UringKVError
 from uring_kv.store import BlockStore
 
@@ -83,8 +83,7 @@ class StripedBlockStore:
                         for position, (path, share) in enumerate(zip(resolved, shares, strict=True))]
         self._svc: LoopServices | None = None
         self._closing = False
-        self._busy = 0  # puts and gets under way: aclose() lets them end before it closes a stripe
-        self._idle: Any = None  # a future aclose() waits on for the last of them
+        self._calls = CallsUnderWay()  # puts and gets: aclose() lets them end before it closes a stripe
         self._placing: dict[bytes, list[int]] = {}  # keys puts are placing: [stripe, puts placing it]
         self._turn = 0  # the stripe that takes the next new key among equally full ones
 
@@ -128,9 +127,7 @@ class StripedBlockStore:
             await self._svc.run_to_completion(self._close(self._svc))
 
     async def _close(self, svc: LoopServices) -> None:
-        while self._busy:
-            self._idle = svc.create_future()
-            await svc.wait_through_cancellation(self._idle)
+        await self._calls.none_left(svc)
         await self._close_stripes()
 
     async def _close_stripes(self) -> None:
@@ -195,7 +192,7 @@ class StripedBlockStore:
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=True)
         svc = self._check_open()
         parts = self._place(key_list, row_list)
-        self._busy += 1
+        self._calls.enter()
         try:
             return await self._fan_out(svc, "put", key_list, parts, after)
         finally:
@@ -204,7 +201,7 @@ class StripedBlockStore:
                 entry[1] -= 1
                 if not entry[1]:
                     del self._placing[key]
-            self._op_done()
+            self._calls.leave()
 
     async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """:meth:`BlockStore.get`, each key from its stripe, the stripes at once."""
@@ -213,23 +210,23 @@ class StripedBlockStore:
         parts, missing = self._split(key_list, row_list)
         if missing:
             raise KeyMissingError(missing)
-        self._busy += 1
+        self._calls.enter()
         try:
             await self._fan_out(svc, "get", key_list, parts, after)
         finally:
-            self._op_done()
+            self._calls.leave()
 
     async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
         """:meth:`BlockStore.get_present`, over the stripes at once: the keys loaded, in call order."""
         key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
         svc = self._check_open()
         parts, _ = self._split(key_list, row_list)
-        self._busy += 1
+        self._calls.enter()
         try:
             loaded = await svc.gather([self.stripes[position].get_present(part_keys, part_rows, after)
                                        for position, (part_keys, part_rows) in parts.items()])
         finally:
-            self._op_done()
+            self._calls.leave()
         held = {key for part in loaded for key in part}
         return [key for key in key_list if key in held]
 
@@ -303,11 +300,6 @@ class StripedBlockStore:
         if failures:
             raise KeyIOError(op, {key: failures[key] for key in keys if key in failures}, written)
         return written
-
-    def _op_done(self) -> None:
-        self._busy -= 1
-        if not self._busy and self._idle is not None and not self._idle.done():
-            self._idle.set_result(None)
 
     def _check_open(self) -> LoopServices:
         if self._closing:

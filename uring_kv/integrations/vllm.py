@@ -137,8 +137,8 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
             if future.cancelled():
                 ok: list[bytes] = []
             elif (error := future.exception()) is None:
-                ok = list(future.result()) if job.is_promotion else keys
-                written = 0 if job.is_promotion else int(future.result())
+                result = future.result()  # the keys loaded (a promotion), or the keys written
+                ok, written = (list(result), 0) if job.is_promotion else (keys, int(result))
             elif isinstance(error, KeyIOError):
                 ok = [key for key in keys if key not in error.failures]
                 written = error.written
