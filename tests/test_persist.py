@@ -302,8 +302,8 @@ async def test_rows_are_committed_after_the_data_sync_and_keys_visible_after_the
     real_sync, real_commit = os.fdatasync, Index._commit
 
     def rows_in_index() -> int:  # (on the index thread, which owns the connection)
-        assert store._kept is not None and store._kept.db is not None and store._kept.db._conn is not None
-        return int(store._kept.db._conn.execute("SELECT count(*) FROM blocks").fetchone()[0])
+        assert store._journal is not None and store._journal.db is not None and store._journal.db._conn is not None
+        return int(store._journal.db._conn.execute("SELECT count(*) FROM blocks").fetchone()[0])
 
     def fdatasync(fd: int) -> None:
         events.append(("fdatasync", rows_in_index()))

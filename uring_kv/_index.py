@@ -91,15 +91,6 @@ class _Request:
     sync: bool = False
 
 
-def failure_errno(exc: BaseException) -> int:
-    """The errno a key gets when the index could not record it."""
-    if isinstance(exc, OSError) and exc.errno:
-        return exc.errno
-    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
-        return errno.ENOSPC
-    return errno.EIO
-
-
 def describe_difference(found: dict[str, Any], wanted: dict[str, Any]) -> str | None:
     """The first field in which a store's geometry (``wanted``) differs from its files'
     (``found``), in words; None if they agree."""

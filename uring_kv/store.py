@@ -26,12 +26,22 @@ Some facts about frameworks' KV caches, and what follows for the store:
   separated from its bookkeeping by an ``await``. The index is an OrderedDict: lookup, touch and
   eviction of the oldest are O(1). A lookup from another thread is one dict membership test per
   key, atomic under the GIL, so those three may be called from any thread (see ``uring_kv.sync``).
-* A persistent store (``persistent=True``) follows an SQLite index: see ``_kept.py``.
+* A persistent store (``persistent=True``) records its changes in a journal (``_journal.py``, an
+  SQLite index beside the file) in two orders that keep the index true whenever the process dies:
+  a key's row is committed only after its block was written (and, with ``fsync``, synced), so a
+  key becomes visible only once its row is committed; and a block that leaves a key (evicted, or
+  its load failed) is *doomed*: its row's deletion goes out with the next put, and no write may
+  touch the block before that deletion is committed (``_clearing``). Should the deletion fail, the
+  block is never used again in this run (``_lost``): the row may still name it. Every block carries
+  a crc32c (the engine's ``checksum=True``), kept in its row and checked on every load, the first
+  after a reopen included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import operator
 import os
 from collections import OrderedDict
@@ -41,7 +51,7 @@ from typing import Any
 
 from uring_kv._args import capacity_in_blocks, checked_keys, normalise_caches
 from uring_kv._engine import Engine
-from uring_kv._kept import Kept
+from uring_kv._journal import Journal, Row, failure_errno
 from uring_kv._loop import CallsUnderWay, LoopServices, OpenClose, current_services
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
 
@@ -118,18 +128,20 @@ class BlockStore(OpenClose):
         self._svc: LoopServices | None = None
         self._state = "new"
         self._counts = {"evictions": 0, "store_failures": 0, "load_failures": 0, "no_room": 0}
-        # persistence (see _kept.py)
+        # persistence (see the module docstring)
         self.persistent = persistent
         self.fsync = persistent and fsync is not False
         self.fingerprint = fingerprint
+        self._clearing: dict[int, Any] = {}  # disk block → the future of its old row's deletion
         self._lost: set[int] = set()  # blocks whose old row could not be deleted: never reused
-        self._kept: Kept | None = None
+        self._journal: Journal | None = None
         if persistent:
             self._counts.update(restored=0, index_failures=0)
             names, tensors = normalise_caches(caches)  # each tensor's name, dtype, block shape and bytes
             layout = [[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:]),
                        t.numel() // t.shape[0] * t.element_size()] for name, t in zip(names, tensors, strict=True)]
-            self._kept = Kept(self, self.fsync, fingerprint, layout)
+            self._journal = Journal(self.engine.path + ".index", self.engine.path, self.fsync, fingerprint, layout,
+                                    self.engine.block_bytes)
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> BlockStore:
@@ -139,8 +151,8 @@ class BlockStore(OpenClose):
         self._state = "opening"
         self._svc = current_services()
         try:
-            if self._kept is not None:
-                await self._kept.open(self._svc)
+            if self._journal is not None:
+                await self._open_kept(self._journal, self._svc)
             else:
                 await self.engine.open()
         except BaseException:
@@ -149,6 +161,34 @@ class BlockStore(OpenClose):
         if self._state == "opening":  # (not if aclose() began meanwhile)
             self._state = "open"
         return self
+
+    async def _open_kept(self, journal: Journal, svc: LoopServices) -> None:
+        """A persistent store's open: the journal (its geometry checked before the block file is
+        touched), then the engine on the kept file, then the journal's keys, LRU order and all."""
+        engine = self.engine
+        try:
+            await journal.open(svc)
+            self._still_opening()
+            await engine.open()
+            self._still_opening()
+            rows = await journal.restore(engine.file.fd, engine.file.stride, self.capacity, engine.file.created)
+            self._still_opening()
+            engine.adopt({disk_block: crc for _, disk_block, crc in rows})
+        except BaseException:
+            await svc.run_to_completion(self._abandon(journal))
+            raise
+        self._restore(rows)
+
+    def _still_opening(self) -> None:
+        """After each wait of an open: aclose() may have begun meanwhile."""
+        if self._state != "opening":
+            raise EngineClosedError(f"block store {self.engine.path} was closed while it opened")
+
+    async def _abandon(self, journal: Journal) -> None:
+        try:
+            await self.engine.aclose()
+        finally:
+            await journal.close(save=False)
 
     async def aclose(self) -> None:
         """Refuse new calls, let those under way finish (their keys land or fail as usual), close
@@ -173,14 +213,21 @@ class BlockStore(OpenClose):
             await self.engine.aclose()  # waits for every batch in flight (and for open() if it runs)
         finally:
             await self._calls.none_left(svc)  # their last step (index updates, pins) runs after their batches
-            if self._kept is not None:  # the last deletions and uses; the database is then closed
-                await self._kept.close(svc)
+            if self._journal is not None:  # the last deletions and uses; the index is then closed
+                await self._close_journal(self._journal, svc)
             for entry in self._index.values():
                 entry.readers = 0  # pins still held (see pin) end with the store
             self._index.clear()
             self._writing.clear()
             self._free.clear()
             self._fresh = self._pinned = 0
+
+    async def _close_journal(self, journal: Journal, svc: LoopServices) -> None:
+        """A failure is reported, not raised: the files stay sound (a row kept names a block never reused)."""
+        try:
+            await journal.close()
+        except Exception as exc:
+            svc.report(f"uring_kv BlockStore {self.engine.path}: saving its index at close failed", exc)
 
     @property
     def closed(self) -> bool:
@@ -242,8 +289,8 @@ class BlockStore(OpenClose):
         for key, row in zip(key_list, row_list, strict=True):
             if key in index:
                 index.move_to_end(key)
-                if self._kept is not None:
-                    self._kept.use(key)
+                if self._journal is not None:
+                    self._journal.use(key)
             elif (entry := self._writing.get(key)) is not None:
                 if entry.written is None:
                     entry.written = svc.create_future()
@@ -288,8 +335,8 @@ class BlockStore(OpenClose):
         entries = [index[key] for key in key_list]
         for entry in entries:
             index.move_to_end(entry.key)
-            if self._kept is not None:
-                self._kept.use(entry.key)
+            if self._journal is not None:
+                self._journal.use(entry.key)
             if not entry.readers:
                 self._pinned += 1
             entry.readers += 1
@@ -356,23 +403,95 @@ class BlockStore(OpenClose):
     # ----------------------------------------------------------------- internals
     async def _write(self, writes: list[tuple[_Entry, int]], after: Any) -> dict[bytes, int]:
         """Store the entries' rows to their blocks; make the written ones visible, free the
-        others' blocks. The keys that failed, with their errno."""
-        if self._kept is not None:
-            return await self._kept.write(writes, after)
+        others' blocks. The keys that failed, with their errno. A persistent store first waits for
+        the deletion of the blocks' old rows, and commits the new rows before the keys become
+        visible."""
+        journal = self._journal
+        failed: dict[int, int] = {}
         try:
-            await self.engine.store_batch([row for _, row in writes], [entry.disk_block for entry, _ in writes],
-                                          after)
-        except BlockIOError as exc:
-            return self._settle(writes, exc.failures)
+            if journal is not None:
+                await self._cleared_for(journal, writes, failed)
+            todo = [(entry, row) for entry, row in writes if entry.disk_block not in failed] if failed else writes
+            if todo:
+                try:
+                    await self.engine.store_batch([row for _, row in todo], [entry.disk_block for entry, _ in todo],
+                                                  after)
+                except BlockIOError as exc:
+                    failed.update(exc.failures)
         except BaseException:  # cancelled, or refused (closing): no block of it is vouched for
             self._settle(writes, {entry.disk_block: errno.ECANCELED for entry, _ in writes})
             raise
-        return self._settle(writes, {})
+        if journal is not None:
+            await self._commit(journal, writes, failed)
+        return self._settle(writes, failed)
 
-    def _restore(self, rows: list[tuple[bytes, int]]) -> None:
+    async def _cleared_for(self, journal: Journal, writes: list[tuple[_Entry, int]], failed: dict[int, int]) -> None:
+        """Before the writes: send the doomed rows' deletion, and wait for that of each block's old
+        row; a block whose deletion failed is lost (never used again) and its key fails."""
+        self._send_deletions(journal)
+        clearing = {entry.disk_block: fut for entry, _ in writes
+                    if (fut := self._clearing.get(entry.disk_block)) is not None}
+        for disk_block, fut in clearing.items():
+            await _quietly(self._svc, fut)
+            if (refusal := fut.exception()) is not None:
+                self._lose(disk_block)
+                failed[disk_block] = failure_errno(refusal)
+
+    def _send_deletions(self, journal: Journal) -> None:
+        """Send the doomed rows' deletion; their blocks wait for it before they are reused."""
+        sent = journal.deletions()
+        if sent is None:
+            return
+        blocks, fut = sent
+        for disk_block in blocks:
+            self._clearing[disk_block] = fut
+        fut.add_done_callback(functools.partial(self._cleared, blocks))
+
+    def _cleared(self, blocks: list[int], fut: Any) -> None:
+        failed = fut.exception() is not None
+        if failed:
+            self._counts["index_failures"] += 1
+        for disk_block in blocks:
+            if self._clearing.get(disk_block) is fut:
+                del self._clearing[disk_block]
+            if failed:
+                self._lose(disk_block)
+
+    async def _commit(self, journal: Journal, writes: list[tuple[_Entry, int]], failed: dict[int, int]) -> None:
+        """Commit the rows of the keys written (after a sync, with ``fsync``); a key whose row could
+        not be committed, or whose block could not be summed, joins ``failed``."""
+        written = [entry for entry, _ in writes if entry.disk_block not in failed]
+        rows: list[Row] = []
+        for entry, crc in zip(written, self.engine.block_sums([entry.disk_block for entry in written]), strict=True):
+            if crc is None:  # could not be summed (reported by the engine): nothing to check it by later
+                failed[entry.disk_block] = errno.EIO
+            else:
+                rows.append((entry.key, entry.disk_block, crc))
+        if not rows:
+            return
+        committed = journal.commit(rows)
+        try:
+            await _quietly(self._svc, committed)
+        except BaseException:  # cancelled: the rows may still land, so they go again before reuse
+            journal.retract(rows)
+            self._settle(writes, {entry.disk_block: errno.ECANCELED for entry, _ in writes})
+            raise
+        if (refusal := committed.exception()) is not None:
+            self._counts["index_failures"] += 1
+            journal.retract(rows)
+            failed.update({disk_block: failure_errno(refusal) for _, disk_block, _ in rows})
+
+    def _lose(self, disk_block: int) -> None:
+        """A block whose old row may still be in the index: never used again in this run."""
+        if disk_block not in self._lost:
+            self._lost.add(disk_block)
+            if disk_block in self._free:
+                self._free.remove(disk_block)
+
+    def _restore(self, rows: list[Row]) -> None:
         """At open, a persistent store's keys (least recently used first) and their blocks."""
         used = set()
-        for key, disk_block in rows:
+        for key, disk_block, _ in rows:
             self._index[key] = _Entry(key, disk_block)
             used.add(disk_block)
         self._fresh = max(used) + 1 if used else 0
@@ -413,8 +532,8 @@ class BlockStore(OpenClose):
         del index[key]
         entry.gone = True
         self._counts["evictions"] += 1
-        if self._kept is not None:
-            self._kept.forget(key, entry.disk_block)
+        if self._journal is not None:
+            self._journal.forget(key, entry.disk_block)
         return entry.disk_block
 
     def _drop(self, entry: _Entry) -> None:
@@ -423,8 +542,8 @@ class BlockStore(OpenClose):
             return
         entry.gone = True
         del self._index[entry.key]
-        if self._kept is not None:
-            self._kept.forget(entry.key, entry.disk_block)
+        if self._journal is not None:
+            self._journal.forget(entry.key, entry.disk_block)
         if entry.readers:
             self._pinned -= 1  # (counts the index's entries only)
         else:
@@ -473,3 +592,11 @@ class BlockStore(OpenClose):
         if unique_keys and len(set(key_list)) != len(key_list):
             raise ValueError("a key appears twice in one put")
         return key_list, row_list
+
+
+async def _quietly(svc: LoopServices | None, fut: Any) -> None:
+    """Wait for ``fut`` without raising its error (the caller reads it); a cancellation still raises."""
+    assert svc is not None
+    if not fut.done():
+        with contextlib.suppress(Exception):  # (cancellations are BaseExceptions, under asyncio and trio)
+            await svc.wait(fut)
