@@ -200,10 +200,11 @@ void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where);
 int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
                    const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
                    uint64_t event);
-unsigned ukv_copier_done(struct ukv_copier *c, struct ukv_ring *r, unsigned max, uint64_t *tokens, int32_t *rcs,
-                         int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched,
-                         int *submit_error);
-unsigned ukv_copier_pump_jobs(struct ukv_copier *c);
+unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
+                         int64_t *done_ns);
+unsigned ukv_copier_owned_jobs(struct ukv_copier *c);
+unsigned ukv_ring_collect(struct ukv_ring *r, struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs,
+                          int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched, int *submit_error);
 void ukv_copier_free(struct ukv_copier *c);
 """
 

@@ -267,12 +267,11 @@ class UringBackend(IOBackend):
         return pump
 
     def copies_done(self, jobs: CopyJobs) -> list[tuple[int, int, int, int]]:
-        """The native copier's finished jobs (see :meth:`CopyJobs.done`): those of this ring's
-        pumps are handled in C, then the handlers of the pumps that moved run; the rest are
-        returned."""
+        """The native copier's finished jobs (see :meth:`NativeRing.collect`): those of this ring's
+        pumps are handled in C, then the handlers of the pumps that moved run."""
         self._check_owner()
         ring = self._ring
-        done = jobs.done(ring)
+        done = ring.collect(jobs)
         self._pumps_moved(ring)
         self._flush()  # slots the pumps handed back leave room for ops in the backlog
         return done

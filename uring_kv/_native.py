@@ -74,7 +74,9 @@ SqeTuple = tuple[int, int, int, int, int, int, int, int]
 
 
 class NativeRing:
-    """One io_uring instance. Every method must be called on the thread that created it."""
+    """One io_uring instance, and the handling of its completions for pumps: :meth:`reap` (the
+    CQEs) and :meth:`collect` (the native copier's finished pump jobs) each move the pumps in one
+    C call. Every method must be called on the thread that created it."""
 
     def __init__(self, entries: int, cq_entries: int, flags: SetupFlag) -> None:
         out = ffi.new("struct ukv_ring **")
@@ -92,6 +94,7 @@ class NativeRing:
         self._ntouched = ffi.new("unsigned *")
         self._submit_error = ffi.new("int *")
         self._more = ffi.new("int *")
+        self._jobs = _JobsOut()  # what collect() takes
         self.reap_budget_ns = 0  # see reap()
         self.pumps: dict[int, NativePump] = {}  # attached pumps by id
         self.touched: list[NativePump] = []  # pumps that moved in the last reap
@@ -102,6 +105,23 @@ class NativeRing:
         if self._ring != ffi.NULL:
             _lib.ukv_ring_close(self._ring)
             self._ring = ffi.NULL
+
+    @property
+    def handle(self) -> Any:
+        """The C ring (``struct ukv_ring *``), for the pumps attached to it."""
+        return self._ring
+
+    def attach(self, pump: NativePump, raw: Any) -> int:
+        """Attach ``pump`` (whose C pump is ``raw``) under a free id; PumpsBusy when none is left."""
+        pump_id = int(_lib.ukv_pump_attach(self._ring, raw))
+        if pump_id < 0:
+            raise PumpsBusy(f"all {int(_lib.UKV_MAX_PUMPS)} pumps of the ring are in use")
+        self.pumps[pump_id] = pump
+        return pump_id
+
+    def detach(self, pump_id: int, raw: Any) -> None:
+        self.pumps.pop(pump_id, None)
+        _lib.ukv_pump_detach(self._ring, raw)
 
     def register_eventfd(self, fd: int) -> None:
         _check(_lib.ukv_register_eventfd(self._ring, fd), "io_uring_register_eventfd")
@@ -187,6 +207,19 @@ class NativeRing:
                 self.more = bool(self._more[0])
                 return done
 
+    def collect(self, jobs: CopyJobs) -> list[tuple[int, int, int, int]]:
+        """The native copier's finished jobs, as :meth:`CopyJobs.done` returns them, taken in one C
+        call that also handles this ring's pumps' jobs among them: their slots move on (the next
+        block's I/O or copy, or back to Python), the pumps that moved are in ``touched``, and
+        ``refill_error`` says why submitting their next I/Os failed, if it did."""
+        self.touched = []
+        self.refill_error = None
+        out = self._jobs
+        n = _lib.ukv_ring_collect(self._ring, jobs.handle, CopyJobs.BATCH, out.tokens, out.rcs, out.wheres,
+                                  out.done_ns, self._touched, self._ntouched, self._submit_error)
+        self._pumps_outcome()
+        return out.taken(n)
+
 
 class PumpsBusy(RuntimeError):
     """Every pump id of the ring is in use (the caller runs the batch the Python way)."""
@@ -232,10 +265,7 @@ class NativePump:
         p = ffi.gc(raw, _lib.ukv_pump_free)
         self._p, self._ring, self.nblocks = p, ring, nblocks
         self._keep = (offsets, cache_blocks, blocks, waiting, copies)
-        pump_id = _lib.ukv_pump_attach(ring._ring, p)
-        if pump_id < 0:
-            raise PumpsBusy(f"all {int(_lib.UKV_MAX_PUMPS)} pumps of the ring are in use")
-        ring.pumps[pump_id] = self
+        ring.attach(self, p)
 
     @property
     def started(self) -> int:
@@ -268,7 +298,7 @@ class NativePump:
     def add_slots(self, slots: Sequence[int], addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
         """Hand the pump more slots, named by their pool index (below ``max_slots``); it starts a
         block in each, or hands it straight back."""
-        _check(_lib.ukv_pump_add_slots(self._ring._ring, self._p, len(slots), ffi.new("uint32_t[]", slots),
+        _check(_lib.ukv_pump_add_slots(self._ring.handle, self._p, len(slots), ffi.new("uint32_t[]", slots),
                                        ffi.new("uint64_t[]", addrs), ffi.new("int32_t[]", buf_indices)),
                "io_uring_submit (pump)")
 
@@ -297,8 +327,7 @@ class NativePump:
 
     def detach(self) -> None:
         if self._p.id >= 0:
-            self._ring.pumps.pop(int(self._p.id), None)
-            _lib.ukv_pump_detach(self._ring._ring, self._p)
+            self._ring.detach(int(self._p.id), self._p)
 
 
 def block_array(values: list[int] | int) -> Any:
@@ -429,10 +458,7 @@ class CopyJobs:
             raise OSError(-rc, f"starting the native copier: {os.strerror(-rc)}")
         self._c: Any = out[0]
         self.fd = int(_lib.ukv_copier_fd(self._c))
-        self._tokens = ffi.new("uint64_t[]", self.BATCH)
-        self._rcs = ffi.new("int32_t[]", self.BATCH)
-        self._wheres = ffi.new("int32_t[]", self.BATCH)
-        self._done_ns = ffi.new("int64_t[]", self.BATCH)
+        self._out = _JobsOut()
 
     def put(self, token: int, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
             dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
@@ -466,31 +492,38 @@ class CopyJobs:
 
     @property
     def pump_jobs(self) -> int:
-        """Pumps' copy jobs queued and not yet collected."""
-        return int(_lib.ukv_copier_pump_jobs(self._c)) if self._c is not None else 0
+        """Pumps' copy jobs (owned jobs) queued and not yet collected."""
+        return int(_lib.ukv_copier_owned_jobs(self._c)) if self._c is not None else 0
 
-    def done(self, ring: NativeRing | None = None) -> list[tuple[int, int, int, int]]:
+    def done(self) -> list[tuple[int, int, int, int]]:
         """Finished jobs, oldest first: (token, CUresult or 0, where it failed, CLOCK_MONOTONIC ns).
-        Pumps' jobs (``token & PUMP_TAG``) are handled in C on ``ring``, the ring of those pumps:
-        the pumps that moved are then in ``ring.touched``, and ``ring.refill_error`` says why
-        submitting their next I/Os failed, if it did."""
-        if ring is None:
-            n = _lib.ukv_copier_done(self._c, ffi.NULL, self.BATCH, self._tokens, self._rcs, self._wheres,
-                                     self._done_ns, ffi.NULL, ffi.NULL, ffi.NULL)
-        else:
-            ring.touched = []
-            ring.refill_error = None
-            n = _lib.ukv_copier_done(self._c, ring._ring, self.BATCH, self._tokens, self._rcs, self._wheres,
-                                     self._done_ns, ring._touched, ring._ntouched, ring._submit_error)
-            ring._pumps_outcome()
-        return [(int(self._tokens[i]), int(self._rcs[i]), int(self._wheres[i]), int(self._done_ns[i]))
-                for i in range(n)]
+        With pumps' jobs among them (``token & PUMP_TAG``), collect with their ring instead
+        (:meth:`NativeRing.collect`)."""
+        out = self._out
+        return out.taken(_lib.ukv_copier_done(self._c, self.BATCH, out.tokens, out.rcs, out.wheres, out.done_ns))
 
     def close(self) -> None:
         """Run what is queued, wait for every recorded event, stop the threads, free (blocking)."""
         if self._c is not None:
             _lib.ukv_copier_free(self._c)
             self._c = None
+
+
+class _JobsOut:
+    """C arrays that a collection of finished copy jobs fills: BATCH jobs at most per call."""
+
+    __slots__ = ("done_ns", "rcs", "tokens", "wheres")
+
+    def __init__(self) -> None:
+        self.tokens = ffi.new("uint64_t[]", CopyJobs.BATCH)
+        self.rcs = ffi.new("int32_t[]", CopyJobs.BATCH)
+        self.wheres = ffi.new("int32_t[]", CopyJobs.BATCH)
+        self.done_ns = ffi.new("int64_t[]", CopyJobs.BATCH)
+
+    def taken(self, n: int) -> list[tuple[int, int, int, int]]:
+        """The first ``n`` jobs: (token, CUresult or 0, where it failed, CLOCK_MONOTONIC ns)."""
+        tokens, rcs, wheres, done_ns = self.tokens, self.rcs, self.wheres, self.done_ns
+        return [(int(tokens[i]), int(rcs[i]), int(wheres[i]), int(done_ns[i])) for i in range(n)]
 
 
 PUMP_TAG = int(_lib.UKV_PUMP_TAG)  # the tag bit of pumps' user_data and copy job tokens

@@ -6,7 +6,11 @@
  * one to join an empty list writes the eventfd the loop watches, and the loop takes the whole list
  * with ukv_copier_done. No thread here ever takes the GIL, and every thread sleeps when idle.
  * Markers pass through a submit queue without work: done once every earlier job of that direction
- * has been enqueued on its stream (CUDA) or copied (host). */
+ * has been enqueued on its stream (CUDA) or copied (host).
+ *
+ * Pumps (pump.c) queue jobs here too, as owned jobs (ukv_copier_put_owned: the pump and its slots
+ * ride along) and take them back from the done list (ukv_copier_take). This file knows nothing of
+ * pumps: the handshake is the small interface in ukv.h, and calls run one way only, pump.c to here. */
 #include "ukv.h"
 
 /* CPU mode's copies: move padded blocks between staging slots and every cache tensor (the host
@@ -18,19 +22,6 @@ int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *bloc
         copy_block(ntensors, bases, block_bytes, slot_offsets, to_slot, slot_addrs[b], gpu_blocks[b]);
     return 0;
 }
-
-struct ukv_job {
-    struct ukv_job *next;
-    uint64_t token, event;
-    int64_t done_ns;
-    int32_t kind, to_slot, rc, where;
-    unsigned n;
-    uint64_t *slot_addrs, *dev_slots;
-    int64_t *gpu_blocks;
-    struct ukv_pump *pump; /* a pump's job: its slots, and an event from the copier's own pool */
-    uint32_t *slots;
-    uint64_t data[];
-};
 
 struct ukv_fifo { struct ukv_job *head, *tail; };
 
@@ -59,19 +50,19 @@ struct ukv_copier {
     int64_t delay; /* host: ns of sleep before each copy job; CUDA: GPU cycles of spin_func */
     uint64_t spin_func;
     int32_t fail_rc, fail_where; /* fault injection: the next copy job fails so */
-    uint64_t *events;            /* CUDA: idle events for pump jobs (created as needed) */
+    uint64_t *events;            /* CUDA: idle events for owned jobs (created as needed) */
     unsigned nevents, events_cap;
-    unsigned pump_jobs;          /* pumps' jobs queued and not yet collected (loop thread only) */
+    unsigned owned_jobs;         /* owned jobs queued and not yet taken (loop thread only) */
     uint64_t ctx, func, table, used_bytes, streams[2];
     unsigned ntensors;
     uint64_t *bases, *block_bytes, *slot_offsets; /* point into tables[] */
     uint64_t tables[];
 };
 
-/* Called with the mutex held: the job's copies are over; 1 if the loop must be woken. A pump job's
+/* Called with the mutex held: the job's copies are over; 1 if the loop must be woken. An owned job's
  * event goes back to the pool (it has fired, or its job failed and the stream was waited for). */
 static int finish(struct ukv_copier *c, struct ukv_job *j) {
-    if (j->pump && j->event) {
+    if (j->owner && j->event) {
         if (c->nevents == c->events_cap) {
             unsigned cap = c->events_cap ? 2 * c->events_cap : 64;
             uint64_t *grown = realloc(c->events, cap * sizeof *grown);
@@ -138,7 +129,7 @@ static void *submit_main(void *arg) {
             fail_rc = c->fail_rc; fail_where = c->fail_where;
             c->fail_rc = 0;
         }
-        int own_event = c->cuda && j->pump;
+        int own_event = c->cuda && j->owner;
         if (own_event && c->nevents) j->event = c->events[--c->nevents];
         pthread_mutex_unlock(&c->mu);
         if (own_event && !j->event && (j->rc = ukv_cuda_event_new(c->ctx, &j->event))) {
@@ -260,8 +251,8 @@ void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where) {
     pthread_mutex_unlock(&c->mu);
 }
 
-static struct ukv_job *job_new(uint64_t token, int kind, int to_slot, unsigned n, int pump) {
-    size_t words = 3 * (size_t)n + (pump ? ((size_t)n + 1) / 2 : 0);
+static struct ukv_job *job_new(uint64_t token, int kind, int to_slot, unsigned n, int tagged) {
+    size_t words = 3 * (size_t)n + (tagged ? ((size_t)n + 1) / 2 : 0);
     struct ukv_job *j = malloc(sizeof *j + words * sizeof(uint64_t));
     if (!j) return NULL;
     memset(j, 0, sizeof *j);
@@ -269,9 +260,11 @@ static struct ukv_job *job_new(uint64_t token, int kind, int to_slot, unsigned n
     j->slot_addrs = j->data;
     j->dev_slots = j->data + n;
     j->gpu_blocks = (int64_t *)(j->data + 2 * (size_t)n);
-    if (pump) j->slots = (uint32_t *)(j->data + 3 * (size_t)n);
+    if (tagged) j->tags = (uint32_t *)(j->data + 3 * (size_t)n);
     return j;
 }
+
+void ukv_job_free(struct ukv_job *j) { free(j); }
 
 static int job_queue(struct ukv_copier *c, struct ukv_job *j) {
     int to_slot = j->to_slot;
@@ -286,6 +279,14 @@ static int job_queue(struct ukv_copier *c, struct ukv_job *j) {
     return 0;
 }
 
+static void fill(struct ukv_job *j, unsigned n, const uint64_t *slot_addrs, const uint64_t *dev_slots,
+                 const int64_t *gpu_blocks) {
+    if (!n) return;
+    memcpy(j->slot_addrs, slot_addrs, n * sizeof(uint64_t));
+    if (dev_slots) memcpy(j->dev_slots, dev_slots, n * sizeof(uint64_t));
+    memcpy(j->gpu_blocks, gpu_blocks, n * sizeof(int64_t));
+}
+
 /* Queue a job (kind UKV_JOB_COPY with n blocks, or UKV_JOB_MARK with none). 0, -ENOMEM, or -EPIPE
  * once the copier is stopping. */
 int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
@@ -294,71 +295,55 @@ int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, 
     struct ukv_job *j = job_new(token, kind, to_slot, n, 0);
     if (!j) return -ENOMEM;
     j->event = event;
-    if (n) {
-        memcpy(j->slot_addrs, slot_addrs, n * sizeof(uint64_t));
-        if (dev_slots) memcpy(j->dev_slots, dev_slots, n * sizeof(uint64_t));
-        memcpy(j->gpu_blocks, gpu_blocks, n * sizeof(int64_t));
-    }
+    fill(j, n, slot_addrs, dev_slots, gpu_blocks);
     return job_queue(c, j);
 }
 
-/* A pump's copy job for the blocks in `slots` (H2D after reads for a load, D2H before writes for a
- * store). Its token is UKV_PUMP_TAG | pump id << 32: the loop hands it back to the pump. */
-int ukv_copier_put_pump(struct ukv_copier *c, struct ukv_pump *p, const uint32_t *slots, unsigned n) {
-    struct ukv_job *j = job_new(UKV_PUMP_TAG | ((uint64_t)p->id << 32), UKV_JOB_COPY, p->write, n, 1);
+/* Queue an owned copy job (see ukv.h): no event is given, CUDA mode takes one from the copier's own
+ * pool; `owner` and the n `tags` come back with the job from ukv_copier_take. */
+int ukv_copier_put_owned(struct ukv_copier *c, uint64_t token, int to_slot, unsigned n, const uint64_t *slot_addrs,
+                         const uint64_t *dev_slots, const int64_t *gpu_blocks, void *owner, const uint32_t *tags) {
+    struct ukv_job *j = job_new(token, UKV_JOB_COPY, to_slot, n, 1);
     if (!j) return -ENOMEM;
-    j->pump = p;
-    c->pump_jobs++;
-    for (unsigned i = 0; i < n; i++) {
-        unsigned s = slots[i];
-        j->slots[i] = s;
-        j->slot_addrs[i] = p->slot_addr[s];
-        j->dev_slots[i] = p->dev_slots ? p->dev_slots[s] : 0;
-        j->gpu_blocks[i] = p->cache[p->slot_block[s]];
-    }
+    fill(j, n, slot_addrs, dev_slots, gpu_blocks);
+    memcpy(j->tags, tags, n * sizeof(uint32_t));
+    j->owner = owner;
+    c->owned_jobs++;
     int rc = job_queue(c, j);
-    if (rc) c->pump_jobs--;
+    if (rc) c->owned_jobs--;
     return rc;
 }
 
-/* Pumps' copy jobs queued and not yet collected. */
-unsigned ukv_copier_pump_jobs(struct ukv_copier *c) { return c->pump_jobs; }
+/* Owned jobs queued and not yet taken. */
+unsigned ukv_copier_owned_jobs(struct ukv_copier *c) { return c->owned_jobs; }
 
-/* Take up to `max` finished jobs, oldest first: token, result (0 or a CUresult), where it failed
- * (UKV_FAIL_*), and when it was seen finished (CLOCK_MONOTONIC ns). Clears the eventfd first, so a
- * job finished after this call wakes the loop again. Pumps' jobs (token with UKV_PUMP_TAG) are
- * handled here, on `r` (the ring of the pumps, or NULL when there are none): their slots move on
- * (the next block's I/O or copy, or back to Python), the refills are submitted (*submit_error =
- * -errno if that failed) and the pumps that moved are in `touched` (*ntouched of them). */
-unsigned ukv_copier_done(struct ukv_copier *c, struct ukv_ring *r, unsigned max, uint64_t *tokens, int32_t *rcs,
-                         int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched,
-                         int *submit_error) {
+/* Move up to `max` finished jobs, oldest first, off the done list into `out`; the caller reads and
+ * frees them (ukv_job_free). Clears the eventfd first, so a job finished after this call wakes the
+ * loop again; with more than `max` finished, it is written again at once. */
+unsigned ukv_copier_take(struct ukv_copier *c, unsigned max, struct ukv_job **out) {
     uint64_t count;
     while (read(c->efd, &count, sizeof count) < 0 && errno == EINTR) {}
-    struct ukv_fifo taken = {NULL, NULL};
     unsigned k = 0;
     pthread_mutex_lock(&c->mu);
     struct ukv_job *j;
-    while (k < max && (j = fifo_pop(&c->done))) {
-        fifo_push(&taken, j);
-        k++;
-    }
+    while (k < max && (j = fifo_pop(&c->done))) out[k++] = j;
     if (c->done.head) wake_loop(c); /* more than max: the loop comes back for the rest */
     pthread_mutex_unlock(&c->mu);
-    if (r) { /* (without a ring, ntouched and submit_error may be NULL) */
-        *ntouched = 0;
-        *submit_error = 0;
-    }
-    int pumped = 0;
-    for (unsigned i = 0; (j = fifo_pop(&taken)); i++) {
+    for (unsigned i = 0; i < k; i++)
+        if (out[i]->owner) c->owned_jobs--;
+    return k;
+}
+
+/* For a loop with no owned jobs to hand on: take up to `max` finished jobs as token, result (0 or
+ * a CUresult), where it failed (UKV_FAIL_*) and when it was seen finished (CLOCK_MONOTONIC ns). */
+unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
+                         int64_t *done_ns) {
+    struct ukv_job *taken[UKV_TAKE_MAX];
+    unsigned k = ukv_copier_take(c, max < UKV_TAKE_MAX ? max : UKV_TAKE_MAX, taken);
+    for (unsigned i = 0; i < k; i++) {
+        struct ukv_job *j = taken[i];
         tokens[i] = j->token; rcs[i] = j->rc; wheres[i] = j->where; done_ns[i] = j->done_ns;
-        if (j->pump) c->pump_jobs--;
-        if (j->pump && r && ukv_pump_job_done(r, j->pump, j->token, j->slots, j->n, j->rc)) pumped = 1;
-        free(j);
-    }
-    if (pumped) {
-        int ret = ukv_pumps_refill(r, touched, ntouched);
-        if (ret < 0) *submit_error = ret;
+        ukv_job_free(j);
     }
     return k;
 }

@@ -9,8 +9,9 @@
  *
  * The copies are memcpys inside the reap (small CPU-mode blocks), or, given a native copier, copy
  * jobs for its threads (CUDA, or large host blocks): the reap queues a job for the slots whose
- * reads completed, and the loop's collection of finished jobs (ukv_copier_done with the ring)
- * moves those slots on: the next block, or back to Python. Under a ring-wide cap on pump I/Os
+ * reads completed (ukv_copier_put_owned), and the loop's collection of finished jobs
+ * (ukv_ring_collect, which takes them from the copier) moves those slots on: the next block, or
+ * back to Python. Under a ring-wide cap on pump I/Os
  * (the engine's io_depth, below its slot count) a slot whose next step is an I/O waits, parked,
  * for room; loads' pumps get room first. The struct is in ukv.h (cffi reads some of its fields). */
 #include "ukv.h"
@@ -316,13 +317,29 @@ static void pump_copied(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int 
     pump_next_or_release(r, p, s);
 }
 
+/* Queue a copy job of the n slots' blocks (H2D after reads for a load, D2H before writes for a
+ * store), owned by the pump and tagged with the slots. Its token is UKV_PUMP_TAG | pump id << 32:
+ * the ring's collection hands it back to the pump. 0 or -errno. */
+static int pump_put_job(struct ukv_pump *p, const uint32_t *slots, unsigned n) {
+    uint64_t addrs[n], dev[n];
+    int64_t cache[n];
+    for (unsigned i = 0; i < n; i++) {
+        unsigned s = slots[i];
+        addrs[i] = p->slot_addr[s];
+        dev[i] = p->dev_slots ? p->dev_slots[s] : 0;
+        cache[i] = p->cache[p->slot_block[s]];
+    }
+    return ukv_copier_put_owned(p->copier, UKV_PUMP_TAG | ((uint64_t)p->id << 32), p->write, n, addrs, dev, cache,
+                                p, slots);
+}
+
 /* Queue the pump's due copies as copy jobs. A job the copier refuses (no memory, or stopping)
  * fails its blocks, and their slots go back to Python. */
 static void pump_flush(struct ukv_ring *r, struct ukv_pump *p) {
     r->copies_due -= p->ncopy;
     for (unsigned first = 0; first < p->ncopy; first += p->copy_blocks) {
         unsigned n = p->ncopy - first < p->copy_blocks ? p->ncopy - first : p->copy_blocks;
-        if (ukv_copier_put_pump(p->copier, p, p->copy_q + first, n) == 0) continue;
+        if (pump_put_job(p, p->copy_q + first, n) == 0) continue;
         for (unsigned i = 0; i < n; i++) {
             unsigned s = p->copy_q[first + i];
             pump_failed(p, s, EIO);
@@ -477,24 +494,42 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
     return (int)total;
 }
 
-/* A pump's copy job, collected by ukv_copier_done (`token` names the pump it was queued for): its
- * slots move on (rc: 0, or why the job failed). 0 when `p` is no longer the pump attached under that
+/* A pump's copy job, taken from the copier (`token` names the pump it was queued for): its slots
+ * move on (rc: 0, or why the job failed). 0 when `p` is no longer the pump attached under that
  * token (a pump holds a job's slots until the job is collected, so this does not happen while
  * Python keeps it attached). */
-int ukv_pump_job_done(struct ukv_ring *r, struct ukv_pump *p, uint64_t token, const uint32_t *slots, unsigned n,
-                      int rc) {
+static int pump_job_done(struct ukv_ring *r, struct ukv_pump *p, uint64_t token, const uint32_t *slots, unsigned n,
+                         int rc) {
     if (tagged_pump(r, token) != p) return 0;
     for (unsigned b = 0; b < n; b++) pump_copied(r, p, slots[b], rc);
     touch(r, p);
     return 1;
 }
 
-/* After a collection that moved pumps' slots: parked slots take the room there is, due copies are
- * queued, the refills are submitted, and the pumps that moved go to `touched`. 0, or the -errno of
- * the submission. */
-int ukv_pumps_refill(struct ukv_ring *r, int32_t *touched, unsigned *ntouched) {
-    pumps_settle(r);
-    int ret = submit_retry(&r->ring);
-    take_touched(r, touched, ntouched);
-    return ret < 0 ? ret : 0;
+/* Take up to `max` finished jobs from the copier, oldest first, as token, result (0 or a CUresult),
+ * where it failed (UKV_FAIL_*) and when it was seen finished (CLOCK_MONOTONIC ns). Pumps' jobs
+ * (owned, token with UKV_PUMP_TAG) are handled here: their slots move on (the next block's I/O or
+ * copy, or back to Python), the parked slots take the room there is, due copies are queued, the
+ * refills are submitted (*submit_error = -errno if that failed) and the pumps that moved are in
+ * `touched` (*ntouched of them). */
+unsigned ukv_ring_collect(struct ukv_ring *r, struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs,
+                          int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched, int *submit_error) {
+    struct ukv_job *taken[UKV_TAKE_MAX];
+    unsigned k = ukv_copier_take(c, max < UKV_TAKE_MAX ? max : UKV_TAKE_MAX, taken);
+    *ntouched = 0;
+    *submit_error = 0;
+    int pumped = 0;
+    for (unsigned i = 0; i < k; i++) {
+        struct ukv_job *j = taken[i];
+        tokens[i] = j->token; rcs[i] = j->rc; wheres[i] = j->where; done_ns[i] = j->done_ns;
+        if (j->owner && pump_job_done(r, j->owner, j->token, j->tags, j->n, j->rc)) pumped = 1;
+        ukv_job_free(j);
+    }
+    if (pumped) {
+        pumps_settle(r);
+        int ret = submit_retry(&r->ring);
+        take_touched(r, touched, ntouched);
+        if (ret < 0) *submit_error = ret;
+    }
+    return k;
 }

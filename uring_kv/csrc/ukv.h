@@ -4,10 +4,13 @@
  *
  *   ring.c     an io_uring instance: set-up, registrations, batched submit; liburing's version and
  *              the statx DIO alignment
- *   pump.c     pumps: batches run in C on a ring (I/O, memcpys or copy jobs, refills) and the
- *              pumped reap; the block-array helpers that prepare and check their input
+ *   pump.c     pumps: batches run in C on a ring (I/O, memcpys or copy jobs, refills), the pumped
+ *              reap and the collection of their finished copy jobs; the block-array helpers that
+ *              prepare and check their input
  *   copier.c   the native copier: submit threads and a bridge running copy jobs without the GIL;
- *              host memcpys of blocks
+ *              host memcpys of blocks. It knows nothing of pumps: they queue owned jobs and take
+ *              them back through the interface below ("copier.c"), so calls go one way, pump.c to
+ *              copier.c, and no two files call each other
  *   cuda.c     the CUDA driver, resolved at run time: block copies (batched, per piece, staged),
  *              contexts and events
  *   ceiling.c  the bench's disk ceiling: block I/Os in a C loop, no Python
@@ -166,12 +169,8 @@ uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
 uint64_t ukv_ring_pump_done(const struct ukv_ring *r);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more);
-
-/* For copier.c: a pump's copy job was collected (rc: 0, or why it failed), and after a collection
- * of such jobs, the refills. */
-int ukv_pump_job_done(struct ukv_ring *r, struct ukv_pump *p, uint64_t token, const uint32_t *slots, unsigned n,
-                      int rc);
-int ukv_pumps_refill(struct ukv_ring *r, int32_t *touched, unsigned *ntouched);
+unsigned ukv_ring_collect(struct ukv_ring *r, struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs,
+                          int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched, int *submit_error);
 
 /* Move one padded block between a staging slot and every cache tensor (the memcpys of pumps and of
  * the host copier). */
@@ -189,6 +188,22 @@ static inline void copy_block(unsigned ntensors, const uint64_t *bases, const ui
 
 enum { UKV_JOB_COPY = 0, UKV_JOB_MARK = 1 };
 enum { UKV_FAIL_ENQUEUE = 1, UKV_FAIL_WAIT = 2 };
+#define UKV_TAKE_MAX 256 /* most finished jobs one ukv_copier_done call takes */
+
+/* A copy job. Its taker reads the finished ones it got from ukv_copier_take (token, rc, where,
+ * done_ns; for an owned job `owner` and its n `tags`) and frees each with ukv_job_free. */
+struct ukv_job {
+    struct ukv_job *next;
+    uint64_t token, event;
+    int64_t done_ns;
+    int32_t kind, to_slot, rc, where;
+    unsigned n;
+    uint64_t *slot_addrs, *dev_slots;
+    int64_t *gpu_blocks;
+    void *owner;   /* an owned job's (a pump's), else NULL: its event comes from the copier's own pool */
+    uint32_t *tags; /* an owned job's, one per block (a pump's slots) */
+    uint64_t data[];
+};
 
 int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
@@ -202,14 +217,17 @@ void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where);
 int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
                    const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
                    uint64_t event);
-unsigned ukv_copier_done(struct ukv_copier *c, struct ukv_ring *r, unsigned max, uint64_t *tokens, int32_t *rcs,
-                         int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched,
-                         int *submit_error);
-unsigned ukv_copier_pump_jobs(struct ukv_copier *c);
+unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
+                         int64_t *done_ns);
+unsigned ukv_copier_owned_jobs(struct ukv_copier *c);
 void ukv_copier_free(struct ukv_copier *c);
 
-/* For pump.c: queue a pump's copy job for the blocks in `slots`. */
-int ukv_copier_put_pump(struct ukv_copier *c, struct ukv_pump *p, const uint32_t *slots, unsigned n);
+/* The pumps' side of the copier (pump.c calls these, the copier calls nothing of pump.c): an owned
+ * job carries its owner and a tag per block back to whoever takes it from the done list. */
+int ukv_copier_put_owned(struct ukv_copier *c, uint64_t token, int to_slot, unsigned n, const uint64_t *slot_addrs,
+                         const uint64_t *dev_slots, const int64_t *gpu_blocks, void *owner, const uint32_t *tags);
+unsigned ukv_copier_take(struct ukv_copier *c, unsigned max, struct ukv_job **out);
+void ukv_job_free(struct ukv_job *j);
 
 /* ---- cuda.c ------------------------------------------------------------------------------------ */
 
