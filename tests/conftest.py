@@ -58,7 +58,7 @@ def _refuse_ring(*args: Any, **kwargs: Any) -> Any:
 @pytest.fixture(params=IO_MODES)
 def io_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "auto":
-        monkeypatch.setattr("uring_kv._io.NativeRing", _refuse_ring)
+        monkeypatch.setattr("uring_kv._io.uring.NativeRing", _refuse_ring)
         monkeypatch.delenv("URING_KV_IO", raising=False)
         # pytest's warning filters for this test are already in place; this one is undone with them
         warnings.filterwarnings("ignore", r"uring_kv: io_uring_setup failed with EPERM.*thread-pool fallback",
@@ -234,9 +234,9 @@ def use_python_pump(engine: Engine, on: bool = True) -> None:
     """Make the engine's next calls run in the Python pump (True), as when every native pump is
     busy, or in native pumps again where it has them (False)."""
     driver: Any = engine._driver
-    if not hasattr(driver, "native_ring"):
-        driver.native_ring = driver._ring
-    driver._ring = None if on else driver.native_ring
+    if not hasattr(driver, "native_pumps"):
+        driver.native_pumps = driver._native
+    driver._native = None if on else driver.native_pumps
 
 
 def release_on_submit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -462,7 +462,7 @@ def test_info_names_the_fallback_cause(monkeypatch: pytest.MonkeyPatch, tmp_path
     def refuse(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr("uring_kv._io.NativeRing", refuse)
+    monkeypatch.setattr("uring_kv._io.uring.NativeRing", refuse)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         facts, problem = info(str(tmp_path))

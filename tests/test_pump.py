@@ -224,7 +224,7 @@ async def test_memcpy_pumps_only_while_all_slots_hold_at_most_1_mib(make_engine:
         pytest.skip("every copy goes to the copier in that case")
     caches = {"k": torch.zeros(64, 16 << 10, dtype=torch.int32)}  # 64 KiB blocks
     async with make_engine(caches, 64, num_slots=slots) as engine:
-        assert (engine._driver._pump_copies is not None) == on_copier  # type: ignore[union-attr]
+        assert (engine.stats()["plan"]["pump_copies"] == "jobs") == on_copier
         await store_then_load_shuffled(engine, caches["k"], seed=11)
         assert engine.stats()["pumped_batches"] == 2
 

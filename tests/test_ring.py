@@ -17,7 +17,7 @@ import pytest
 from aio import settle, task_group
 from conftest import BOTH_BACKENDS, reported_errors
 
-from uring_kv import UringUnavailable
+from uring_kv import Tuning, UringUnavailable
 from uring_kv._io import IOBackend, Op, ThreadBackend, UringBackend, open_backend
 from uring_kv._memory import HostBuffer
 from uring_kv._native import Opcode, SetupFlag, SqeFlag
@@ -153,7 +153,7 @@ async def test_completions_per_callback_caps_each_callback(data_file: int, monke
     """URING_KV_COMPLETIONS_PER_CALLBACK=4: no loop callback runs more than 4 completion handlers,
     and every op still completes exactly once."""
     monkeypatch.setenv("URING_KV_COMPLETIONS_PER_CALLBACK", "4")
-    ring = UringBackend()
+    ring = UringBackend(tuning=Tuning.from_env())
     os.pwrite(data_file, b"w" * 4096 * 64, 0)
     buf = HostBuffer(4096 * 64)
     per_callback: list[int] = []
@@ -175,7 +175,7 @@ async def test_completions_per_callback_caps_each_callback(data_file: int, monke
     for bad in ("-1", "all"):
         monkeypatch.setenv("URING_KV_COMPLETIONS_PER_CALLBACK", bad)
         with pytest.raises(ValueError, match=f"must be a count >= 0, got '{bad}'"):
-            UringBackend()
+            UringBackend(tuning=Tuning.from_env())
 
 
 async def test_ring_caps_inflight_at_cq_size_and_backlogs_the_rest(data_file: int) -> None:
@@ -307,7 +307,7 @@ async def test_iowq_worker_cap_is_set_from_the_environment(data_file: int, monke
     assert "io-wq" not in probe.description
     probe.close()
     monkeypatch.setenv("URING_KV_IOWQ_WORKERS", str(before + 3))
-    ring = UringBackend(async_io=True)
+    ring = UringBackend(async_io=True, tuning=Tuning.from_env())
     try:
         assert ring._ring.iowq_max_workers(0)[0] == before + 3
         assert f"io-wq <= {before + 3}" in ring.description
@@ -342,7 +342,7 @@ def _refuse_setup(errno_value: int) -> Any:
 @pytest.mark.parametrize(("code", "hint"), [(errno.EPERM, "seccomp"), (errno.ENOSYS, "gVisor")])
 async def test_setup_refused_falls_back_to_threads_with_one_warning(monkeypatch: pytest.MonkeyPatch,
                                                                      code: int, hint: str) -> None:
-    monkeypatch.setattr("uring_kv._io.NativeRing", _refuse_setup(code))
+    monkeypatch.setattr("uring_kv._io.uring.NativeRing", _refuse_setup(code))
     monkeypatch.delenv("URING_KV_IO", raising=False)
     with pytest.warns(RuntimeWarning, match=hint) as record:
         io = open_backend()
@@ -353,15 +353,15 @@ async def test_setup_refused_falls_back_to_threads_with_one_warning(monkeypatch:
 
 
 async def test_forced_uring_raises_instead_of_falling_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("uring_kv._io.NativeRing", _refuse_setup(errno.EPERM))
+    monkeypatch.setattr("uring_kv._io.uring.NativeRing", _refuse_setup(errno.EPERM))
     monkeypatch.setenv("URING_KV_IO", "uring")
     with pytest.raises(UringUnavailable, match="EPERM"):
-        open_backend()
+        open_backend(Tuning.from_env().io)
 
 
 async def test_env_forces_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("URING_KV_IO", "threads")
-    io = open_backend()
+    io = open_backend(Tuning.from_env().io)
     assert isinstance(io, ThreadBackend)
     assert "io='threads'" in io.description
     io.close()

@@ -55,14 +55,16 @@ class TransferHandle:
 
 
 class Batches:
-    """The engine's active batches and their accounting."""
+    """An open engine's active batches and their accounting (into the engine's ``metrics``, per
+    direction); ``copier``'s ``marker()`` makes a batch's last event."""
 
-    def __init__(self, block_bytes: int) -> None:
-        self.services: Any = None  # the engine's LoopServices, from open()
+    def __init__(self, services: LoopServices, copier: Any, metrics: dict[Kind, DirectionMetrics],
+                 block_bytes: int) -> None:
+        self.services = services
+        self.copier = copier
         self._block_bytes = block_bytes
         self.active: set[Batch] = set()
-        self.metrics = {Kind.LOAD: DirectionMetrics(), Kind.STORE: DirectionMetrics()}
-        self.copier: Any = None  # set once the engine has one: marker() for the batch's last event
+        self.metrics = metrics
 
     def new(self, kind: Kind, count: int) -> Batch:
         create = self.services.create_future

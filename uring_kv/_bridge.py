@@ -23,15 +23,21 @@ an eventfd, and :class:`NativeLink` is the loop's side of that: it runs their ha
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from uring_kv._cuda import CudaError
 from uring_kv._loop import LoopServices
 from uring_kv._native import FAIL_WAIT, PUMP_TAG, CopyJobs
+from uring_kv._trace import Trace
+
+# Takes the native copier's finished jobs where native pumps queue jobs there too: their ring's
+# collection (``NativeRing.collect``), which moves the pumps' slots on in the same C call.
+Collect = Callable[[CopyJobs], list[tuple[int, int, int, int]]]
 
 
 class Waitable(Protocol):
@@ -44,8 +50,9 @@ class Waitable(Protocol):
 class Bridge:
     """Watches events on a thread; ``on_done`` callbacks run on the loop, in batches."""
 
-    def __init__(self, services: LoopServices, name: str = "uring-kv-bridge") -> None:
+    def __init__(self, services: LoopServices, trace: Trace | None = None, name: str = "uring-kv-bridge") -> None:
         self._svc = services
+        self.trace = trace if trace is not None else Trace()  # Engine.trace's, for the native copier's collections
         self._items: deque[tuple[Waitable, Callable[[], None]]] = deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -143,20 +150,20 @@ def _failed(event: Waitable, exc: Exception) -> None:
 class NativeLink:
     """The loop's side of the native copier (``CopyJobs``): each job's handler by token, and the
     copier's eventfd watched by the loop; one reader callback runs the handlers of every job
-    finished since the last one, in the order the jobs finished, each with its error or None."""
+    finished since the last one, in the order the jobs finished, each with its error or None.
+    ``collect``: how the finished jobs are taken where native pumps queue jobs there too (their
+    ring's collection, which handles theirs in C); else :meth:`CopyJobs.done`."""
 
-    def __init__(self, jobs: CopyJobs, bridge: Bridge) -> None:
+    def __init__(self, jobs: CopyJobs, bridge: Bridge, collect: Collect | None = None) -> None:
         self.jobs = jobs
         self._bridge = bridge
         self._svc = bridge.services
+        self._trace = bridge.trace
         self._handlers: dict[int, Callable[[BaseException | None], None]] = {}
         self._next = 0
-        # How finished jobs are taken: the engine replaces it with its ring's collection when pumps
-        # queue jobs here (their jobs are handled in C on the ring, see UringBackend.copies_done).
-        self.take: Callable[[], list[tuple[int, int, int, int]]] = jobs.done
+        self._take: Callable[[], list[tuple[int, int, int, int]]] = (
+            functools.partial(collect, jobs) if collect is not None else jobs.done)
         self._svc.add_reader(jobs.fd, self._collect)
-        # Engine.trace's tracer (diagnostics): each collection of finished jobs
-        self.tracer: Callable[[str, Any, int], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -196,10 +203,10 @@ class NativeLink:
 
     def _collect(self) -> None:
         now = time.monotonic_ns()  # CLOCK_MONOTONIC, the clock the C threads stamp with
-        tracer = self.tracer
+        tracer = self._trace.fn
         if tracer is not None:
             tracer("collect", None, self.pending)
-        taken = self.take()
+        taken = self._take()
         if tracer is not None:
             tracer("collected", None, len(taken))
         for token, rc, where, done_ns in taken:

@@ -1,12 +1,12 @@
-"""Copies between staging slots and the cache tensors, and which path each takes: a host copier in
-CPU mode, a CUDA copier in GPU mode.
+"""Copies between staging slots and the cache tensors: a host copier in CPU mode, a CUDA copier in
+GPU mode, both with the interface of :class:`Copier`.
 
 Both copiers enqueue and return at once; neither waits. Completion comes back through a bridge
 (``_bridge.py``: the Python bridge thread, or the native copier's eventfd), which calls the engine's
 handler on the loop. In CPU mode the "device" is a thread doing memcpy, so the same bridges, leases
 and handlers run in CI without a GPU; the ``delay`` knob holds every copy back to widen race windows
-in tests. Each copier is told its path by its constructor's parameters; their environment defaults
-are read in one place below. Every CUDA call goes through ``_cuda.py``.
+in tests. Each copier is told its path at construction, from the engine's plan (``_plan.py``): it
+decides nothing. Every CUDA call goes through ``_cuda.py``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from uring_kv import _cuda
-from uring_kv._bridge import Bridge, NativeLink
+from uring_kv._bridge import Bridge, Collect, NativeLink
 from uring_kv._cuda import CudaEvent, PieceCopies, Staging
 from uring_kv._native import BlockCopier, CopyJobs
-from uring_kv._tuning import Tuning
 
 # The copy paths kept, one line each: where measurements show it winning, or why it stays. Figures in
 # docs/design.md, or in docs/benchmarks.md of the history ("b.md": `git show 3e52711^:docs/benchmarks.md`).
@@ -35,40 +34,44 @@ from uring_kv._tuning import Tuning
 # - CUDA per piece, batched (no NVRTC, or staged=False): H200, 32 blocks enqueued in 1.7 vs 2.2 ms a call each (b.md).
 # - CUDA per piece, a call each (batch=False): drivers before CUDA 12.8 have no batch call; no win where they do.
 
-# ---- Defaults of the copiers' path parameters, when None is passed (an engine passes its Tuning's
-# ---- fields): the environment's Tuning. CPU mode copies calls of up to Tuning.host_inline_bytes
-# ---- (1 MiB) inline on the loop: a memcpy of 1 MiB takes tens of µs, and handing it to the copier
-# ---- thread and back through the bridge costs more than that.
-
-
-def env_native() -> bool:
-    """``native``: ``Tuning.native_copier`` (``URING_KV_DEBUG_NATIVE_COPIER=0`` keeps the copy
-    threads and the bridge in Python)."""
-    return Tuning.from_env().native_copier
-
-
-def env_inline_bytes() -> int:
-    """``inline_bytes`` (host): ``Tuning.host_inline_bytes`` (``URING_KV_HOST_INLINE_BYTES``)."""
-    return Tuning.from_env().host_inline_bytes
-
-
-def env_staged() -> bool:
-    """``staged`` (CUDA): ``Tuning.cuda_staged`` (``URING_KV_DEBUG_CUDA_STAGED=0`` turns it off)."""
-    return Tuning.from_env().cuda_staged
-
-
-def env_batch() -> bool:
-    """``batch`` (CUDA): ``Tuning.cuda_batch`` (``URING_KV_DEBUG_CUDA_BATCH=0``: a call per piece)."""
-    return Tuning.from_env().cuda_batch
-
-
-def env_lanes(staged: bool) -> int:
-    """``lanes`` (CUDA): ``Tuning.copy_lanes`` (``URING_KV_COPY_LANES``), else 1 on the staged path
-    and 2 per piece."""
-    return Tuning.from_env().copy_lanes or (1 if staged else 2)
-
-
 # ---- The copiers ------------------------------------------------------------------------------------
+
+class Copier(Protocol):
+    """What the batch driver, its pumps and the batches' books use of a copier (loop thread)."""
+
+    @property
+    def description(self) -> str:
+        """The copy path, in words (``Engine.stats()["copy"]``)."""
+
+    @property
+    def pending(self) -> int:
+        """Copies queued on the native copier and not yet handled on the loop."""
+
+    @property
+    def link(self) -> NativeLink | None:
+        """The native copier's loop side, if the copies go through it."""
+
+    def order_after(self, to_slot: bool, event: Any) -> None:
+        """Every copy enqueued from now on in this direction waits for ``event`` (GPU mode)."""
+
+    def copy(self, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
+             on_done: Callable[[BaseException | None], None]) -> None:
+        """Enqueue the copies; ``on_done(error)`` runs on the loop once they are done (error None)."""
+
+    def marker(self, to_slot: bool, then: Callable[[Any], None]) -> None:
+        """``then(event)`` runs on the loop; ``event`` fires once every copy enqueued so far is done."""
+
+    def settled_event(self, to_slot: bool) -> Any:
+        """An event for a batch whose copies are all done (a native pump's)."""
+
+    def pump_dev_slots(self, slot_addrs: Sequence[int]) -> Any:
+        """The device staging slots of pumps' copy jobs, as a C array (None: none)."""
+
+    def stats(self) -> dict[str, Any]:
+        """What it shows of itself in ``Engine.stats()``: ``copy`` (its description)."""
+
+    def close(self) -> None: ...
+
 
 class HostEvent:
     """The CPU-mode stand-in for a CUDA event: set by the copier thread once the copy is done.
@@ -126,39 +129,48 @@ class _NativeUser:
     def pending(self) -> int:
         return self._link.pending if self._link is not None else 0
 
+    @property
+    def description(self) -> str:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        return {"copy": self.description}
+
 
 class HostCopier(_NativeUser):
-    """CPU mode: small copy calls run inline on the loop; the others on one worker thread, in
+    """CPU mode: calls of up to ``inline_blocks`` blocks run inline on the loop (a memcpy of that
+    much takes less than handing it to a thread and back); the others on one worker thread, in
     submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
+    ``native``: the worker is the native copier's C thread, whose completions reach the loop
+    through its eventfd, instead of a Python thread and the bridge; ``collect`` takes its finished
+    jobs where native pumps queue jobs there too (see :class:`NativeLink`)."""
 
-    ``inline_bytes`` (default :func:`env_inline_bytes`; 0 = never): the largest call done inline.
-    A ``delay`` (tests widening race windows) sends every call to the thread. ``native`` (default
-    :func:`env_native`): the worker is the native copier's C thread, whose completions reach the
-    loop through its eventfd, instead of a Python thread and the bridge."""
-
-    def __init__(self, blocks: BlockCopier, bridge: Bridge, delay: float = 0.0,
-                 inline_bytes: int | None = None, native: bool | None = None) -> None:
+    def __init__(self, blocks: BlockCopier, bridge: Bridge, *, inline_blocks: int, native: bool, delay: float = 0.0,
+                 collect: Collect | None = None) -> None:
+        if inline_blocks < 0:
+            raise ValueError(f"inline_blocks must be >= 0, got {inline_blocks}")
         self._blocks = blocks
         self._bridge = bridge
         self.delay = delay
-        if inline_bytes is None:
-            inline_bytes = env_inline_bytes()
-        elif inline_bytes < 0:
-            raise ValueError(f"inline_bytes must be >= 0, got {inline_bytes}")
-        # How many blocks one inline call may hold (0: none).
-        self._inline_blocks = 0 if delay else inline_bytes // max(1, blocks.bytes_per_block)
+        self._inline_blocks = inline_blocks  # how many blocks one inline call may hold (0: none)
         self._queue: queue.SimpleQueue[tuple[bool, list[int], list[int], HostEvent] | None] = queue.SimpleQueue()
         self._link: NativeLink | None = None
         self._in_thread = {False: 0, True: 0}  # copies handed to the native thread, not yet back
         self._thread: threading.Thread | None = None
-        if env_native() if native is None else native:
-            self._link = NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge)
+        if native:
+            self._link = NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge, collect)
         else:
             self._thread = threading.Thread(target=self._run, name="uring-kv-host-copier", daemon=True)
             self._thread.start()
         thread = "native thread" if self._link is not None else "thread"
-        self.description = (f"host memcpy {thread}" if not self._inline_blocks else
-                            f"host memcpy (inline up to {inline_bytes >> 10} KiB per call, else a {thread})")
+        inline = inline_blocks * blocks.bytes_per_block
+        self._description = (f"host memcpy {thread}" if not inline_blocks else
+                             f"host memcpy (inline up to {inline_blocks} blocks, {inline >> 10} KiB, per call, "
+                             f"else a {thread})")
+
+    @property
+    def description(self) -> str:
+        return self._description
 
     @property
     def inline_blocks(self) -> int:
@@ -241,11 +253,24 @@ class HostCopier(_NativeUser):
             self._thread.join()
 
 
-def staged_kernel_preparer(device: Any, staged: bool | None = None) -> Callable[[], None] | None:
+def staged_kernel_preparer(device: Any, staged: bool) -> Callable[[], None] | None:
     """Called on the loop thread: a function that builds the staged kernel for ``device`` on a
-    worker thread (see :func:`_cuda.staged_kernel_preparer`), or None (``staged`` off, default
-    :func:`env_staged`; or no driver)."""
-    return _cuda.staged_kernel_preparer(device) if (env_staged() if staged is None else staged) else None
+    worker thread (see :func:`_cuda.staged_kernel_preparer`), or None (``staged`` off, or no driver)."""
+    return _cuda.staged_kernel_preparer(device) if staged else None
+
+
+def staged_path(device: Any, blocks: BlockCopier, host_base: int, stride: int, slots: int,
+                used_bytes: int) -> tuple[Staging | None, str]:
+    """The staged path's device side for the host slab at ``host_base`` (``slots`` slots of
+    ``stride`` bytes, ``used_bytes`` used in each): device staging slots, the tensor table and the
+    compiled kernel (:class:`_cuda.Staging`), or None and why it cannot be built here (no NVRTC,
+    no device memory); None and '' without a CUDA driver (the copier then refuses to start)."""
+    if not _cuda.load_cuda_driver():
+        return None, ""
+    try:
+        return Staging(device, blocks, host_base, stride, slots, used_bytes), ""
+    except Exception as exc:  # reported in the plan and the description; the per-piece path still works
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 class _Lane:
@@ -272,40 +297,36 @@ class CudaCopier(_NativeUser):
     direction's streams when the batch is called (``order_after``), so every later copy of the batch
     waits for it, whenever and wherever it is enqueued.
 
-    The path, each parameter defaulting (None) to its ``env_*`` function: ``staged`` (given the
-    host slab's ``staging``: base, stride, slots, used bytes), else per piece, through
-    cuMemcpyBatchAsync when ``batch``; ``native``: staged copies on the native copier; ``lanes``.
+    The path, from the engine's plan: ``staging`` (the staged path's device side, see
+    :func:`staged_path`; None: per piece, ``staging_error`` saying why where it was asked for),
+    per-piece copies through cuMemcpyBatchAsync when ``batch``; ``native``: staged copies on the
+    native copier (``collect``: see :class:`HostCopier`); ``lanes`` per direction (one with the
+    native copier: its thread uses the first lane's stream).
     """
 
-    def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, delay: float = 0.0,
-                 lanes: int | None = None, staging: tuple[int, int, int, int] | None = None,
-                 native: bool | None = None, staged: bool | None = None, batch: bool | None = None) -> None:
+    def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, *, staging: Staging | None, lanes: int,
+                 native: bool, batch: bool, staging_error: str = "", delay: float = 0.0,
+                 collect: Collect | None = None) -> None:
         if not _cuda.load_cuda_driver():
             raise RuntimeError("uring_kv: cannot load the CUDA driver (libcuda.so.1 with cuMemcpyAsync and events)")
         self._blocks = blocks
-        self._pieces = PieceCopies(blocks, env_batch() if batch is None else batch)
+        self._pieces = PieceCopies(blocks, batch)
         self._bridge = bridge
         self.device = device
         self._cuda = _cuda.Device(device)
         self._delay_cycles = int(delay * 1.5e9)  # torch.cuda._sleep counts GPU clock cycles
         # The staged path (one copy per block plus one kernel per call) unless turned off or the
         # kernel cannot be built here (no NVRTC): then one driver copy per tensor and block.
-        self._staging: Staging | None = None
-        self.staging_error = ""
-        if staging is not None and (env_staged() if staged is None else staged):
-            try:
-                self._staging = Staging(device, blocks, *staging)
-            except Exception as exc:  # kept for `description`; the per-piece path still works
-                self.staging_error = f"{type(exc).__name__}: {exc}"
+        self._staging = staging
+        self.staging_error = staging_error
         # Lanes: one is enough when a block costs two driver calls (staged), and keeps each
         # direction's events in order for the bridge; the per-piece path needs two to keep up.
-        count = lanes if lanes is not None else env_lanes(self._staging is not None)
+        count = lanes
         if count < 1:
             raise ValueError(f"copy lanes must be >= 1, got {count}")
-        # The native copier (C submit threads and bridge) takes staged copies.
-        use_native = (env_native() if native is None else native) and self._staging is not None
-        if use_native:
-            count = 1
+        if native and staging is None:
+            raise ValueError("the native copier runs staged copies only")
+        use_native = native
         self._lanes: dict[bool, list[_Lane]] = {
             to_slot: [_Lane(stream, to_slot, i, self._submit_loop)
                       for i, stream in enumerate(self._cuda.streams(count, high_priority=not to_slot))]
@@ -330,7 +351,7 @@ class CudaCopier(_NativeUser):
             jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
                                      self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream),
                             self._delay_cycles, spin)
-            self._link = NativeLink(jobs, bridge)
+            self._link = NativeLink(jobs, bridge, collect)
             return
         for lane in self._all_lanes():
             lane.thread.start()
@@ -432,11 +453,6 @@ class CudaCopier(_NativeUser):
                 return
         event = self._cuda.join(marker.parts, self._marker_streams[to_slot])
         self._bridge.call_soon_threadsafe(marker.then, event)
-
-    @property
-    def staged(self) -> bool:
-        """Copies take the staged path (one driver copy per block, one kernel per ``STAGED_MAX``)."""
-        return self._staging is not None
 
     @property
     def description(self) -> str:

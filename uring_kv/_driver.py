@@ -16,138 +16,159 @@ import functools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from uring_kv._args import ADMIT_BLOCKS, Args
 from uring_kv._batch import Batch, Batches, TransferHandle, bind
 from uring_kv._blocks import Contents, HazardTable
-from uring_kv._copy import HostCopier
+from uring_kv._copy import Copier
 from uring_kv._file import BlockFile
-from uring_kv._io import IOBackend, PumpRing, RingPump
+from uring_kv._io import IOBackend, NativePumps
 from uring_kv._loop import LoopServices
-from uring_kv._native import STAGED_MAX, BlockCopier, PumpCopies, PumpsBusy, first_unset
-from uring_kv._pypump import PyPump, Summer
+from uring_kv._native import PumpsBusy, first_unset
+from uring_kv._plan import Plan
+from uring_kv._pypump import PyPumps
 from uring_kv._staging import Kind, Lease, SlotPool
-from uring_kv._tuning import Tuning
-
-COPY_CALL_PIECES = 128  # most tensor×block pieces per copy call of the Python pump
-PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
+from uring_kv._trace import Trace
+from uring_kv.metrics import DirectionMetrics
 
 
-# A batch's pump: a native one on io_uring (``_io.RingPump``) or the Python one. Both offer
-# ``nblocks``, ``started``, ``slots`` (held), ``unstarted_slots``, ``finished``, ``stopped``, and
-# ``stop()``, ``keep_only(positions)``, ``give(indices, addrs)``, ``take_released()``,
-# ``failures()``, ``close()``; ``copies_marked``: its copies count down ``batch.to_enqueue`` (the
-# Python pump) rather than being all settled when it finishes (a native one).
-Pump = RingPump | PyPump
+class Pump(Protocol):
+    """A batch's pump: a native one on io_uring (``_io.uring.RingPump``) or the Python one
+    (``_pypump.PyPump``). It carries blocks through the slots it is given and hands each back once
+    the last block in it is done (its I/O and its copy)."""
+
+    nblocks: int
+    # its copies count down ``batch.to_enqueue`` (the Python pump), rather than being all settled
+    # when it finishes (a native one)
+    copies_marked: bool
+
+    @property
+    def started(self) -> int:
+        """Blocks started."""
+
+    @property
+    def slots(self) -> int:
+        """Slots it holds now."""
+
+    @property
+    def unstarted_slots(self) -> int:
+        """Slots it holds that wait for I/O room to start their next block (under a depth cap)."""
+
+    @property
+    def finished(self) -> bool:
+        """Nothing in flight and nothing more will start."""
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def stop(self) -> None:
+        """Start no further block (those in flight finish)."""
+
+    def keep_only(self, positions: list[int]) -> None:
+        """Before any block started: carry only the blocks at ``positions`` (ascending)."""
+
+    def give(self, indices: list[int], addrs: list[int]) -> None:
+        """More slots (pool index, address), PUMPING already: its own until it hands them back."""
+
+    def take_released(self) -> list[int]:
+        """Pool indices of the slots handed back since the last call."""
+
+    def failures(self) -> list[tuple[int, int]]:
+        """(block position, errno) of every block that failed."""
+
+    def close(self) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
+class Parts:
+    """What an open engine's batches run on, built from its plan when it opens: the block file,
+    the slot pool, the I/O backend, the copier, and the native pumps on the ring (None where the
+    plan runs none)."""
+
+    file: BlockFile
+    pool: SlotPool
+    io: IOBackend
+    copier: Copier
+    native: NativePumps | None
+
+
 class Run:
     """A batch in its pump. ``phase_done`` stands for all its reads (load) or writes (store);
-    ``deps`` are the hazards it waits for before its first block starts."""
+    ``deps`` are the hazards it waits for before its first block starts. Its pump is made with it,
+    by ``pump_for(on_progress)``: the pump's progress handler is the driver's ``progress(run)``."""
 
-    batch: Batch
-    disk: list[int]
-    deps: list[Any]
-    phase_done: Any
-    pump: Pump
-    disk_c: Any  # the disk blocks as a C int64 array
-    wake: Any = None  # the driver waits on it while the pump holds slots
-    waits: int = 0  # slot waits observed by the driver
-    finished: bool = False
-    handle_event: bool = True  # the caller gets a handle whose event must be made (not load/store_batch)
+    __slots__ = ("batch", "deps", "disk", "disk_c", "finished", "handle_event", "phase_done", "pump", "waits", "wake")
+
+    def __init__(self, batch: Batch, disk: list[int], disk_c: Any, phase_done: Any,
+                 progress: Callable[[Run], None], pump_for: Callable[[Callable[[], None]], Pump]) -> None:
+        self.batch = batch
+        self.disk = disk
+        self.disk_c = disk_c  # the disk blocks as a C int64 array
+        self.phase_done = phase_done
+        self.deps: dict[int, Any] = {}  # by id: filled as the batch is registered
+        self.wake: Any = None  # the driver waits on it while the pump holds slots
+        self.waits = 0  # slot waits observed by the driver
+        self.finished = False
+        self.handle_event = True  # the caller gets a handle whose event must be made (not load/store_batch)
+        self.pump = pump_for(functools.partial(progress, self))
 
 
 class Driver:
-    """Admits and drives the batches of one open engine (see the module docstring)."""
+    """Admits and drives the batches of one open engine (see the module docstring), on ``parts``
+    as its ``plan`` has them; ``metrics``: the engine's, per direction; ``trace``: Engine.trace's."""
 
-    def __init__(self, services: LoopServices, tuning: Tuning, file: BlockFile, pool: SlotPool, io: IOBackend,
-                 copier: Any, blocks: BlockCopier, contents: Contents, hazards: HazardTable, batches: Batches,
-                 gpu: bool, checksum: bool, tensors: list[Any], tensor_block_bytes: list[int]) -> None:
-        self._svc, self._file, self._pool, self._io, self._copier = services, file, pool, io, copier
-        self._blocks, self._contents, self._hazards, self._batches = blocks, contents, hazards, batches
-        self._gpu = gpu
-        self.summer = Summer(services, file.stride) if checksum else None
-        staged = getattr(copier, "staged", False)
-        self._copy_call_blocks = STAGED_MAX if staged else max(1, COPY_CALL_PIECES // len(tensors))
+    def __init__(self, services: LoopServices, plan: Plan, parts: Parts, contents: Contents, hazards: HazardTable,
+                 metrics: dict[Kind, DirectionMetrics], trace: Trace) -> None:
+        self._svc, self._plan, self._trace = services, plan, trace
+        self._file, self._pool, self._io, self._copier = parts.file, parts.pool, parts.io, parts.copier
+        self._native = parts.native
+        self._contents, self._hazards = contents, hazards
+        self._gpu = plan.copier != "host"
+        self.batches = Batches(services, parts.copier, metrics, parts.file.block_bytes)
+        self._python = PyPumps(services, parts.io, parts.copier, parts.file, contents, self.batches,
+                               parts.pool.waiting, plan.copy_call_blocks, plan.checksums)
         self.pumped = 0  # batches run in native pumps
-        self._start_hop = tuning.start_hop
-        self.tracer: Callable[[str, Kind | None, int], None] | None = None  # see Engine.trace
-        # Batches on io_uring run in native pumps unless something per block needs Python
-        # (checksums). Their copies are memcpys in the reap when a block's copy may run on the loop
-        # (CPU mode's inline copies; under a depth below the slot count the spare slots park, and a
-        # reap refills through them before it copies) and all slots together hold at most
-        # INLINE_PASS_BYTES (a pump's start, and a reap pass over a full CQ, copy every slot's block
-        # on the loop: 32 × 128 KiB took 1.3 ms on the CPU machine); else jobs for the native copier
-        # (GPU mode, large or slowed host copies, many slots), whose finished jobs the ring then
-        # collects (their slots move on in C).
-        ring = io.pump_ring() if tuning.pumps else None
-        few_slots = tuning.copies_inline(len(pool.leases), file.stride)
-        inline = isinstance(copier, HostCopier) and copier.inline_blocks >= 1 and few_slots
-        link = copier.link
-        self._pump_inline = tuning.pump_inline(len(pool.leases), file.stride)
-        self._pump_copies: PumpCopies | None = None
-        self.native = ring is not None and not checksum and (inline or link is not None)
-        self._ring: PumpRing | None = ring if self.native else None
-        if ring is not None and self.native and not inline and link is not None:
-            dev_slots = copier.pump_dev_slots([lease.addr for lease in pool.leases])
-            self._pump_copies = PumpCopies(link.jobs, self._copy_call_blocks, dev_slots)
-            link.take = functools.partial(ring.copies_done, link.jobs)
-        # Native loads read straight into the cache tensors in CPU mode: from a buffered file, or with
-        # O_DIRECT where every piece of every block starts and ends on the file's alignment (rows of
-        # page-aligned memory, as vLLM's and SGLang's host pools are); IOV_MAX bounds the pieces.
-        align = file.alignment
-        aligned = all(int(t.data_ptr()) % align == 0 and nbytes % align == 0
-                      for t, nbytes in zip(tensors, tensor_block_bytes, strict=True))
-        self.scatter = (not gpu and (not file.direct or aligned) and len(tensors) <= PUMP_SCATTER_MAX_TENSORS
-                        and tuning.pump_scatter)
+
+    def stats(self) -> dict[str, Any]:
+        """``active_batches``, and ``pumped_batches``: how many ran in native pumps."""
+        return {"active_batches": len(self.batches.active), "pumped_batches": self.pumped}
 
     def close(self) -> None:
-        if self.summer is not None:
-            self.summer.close()
+        self._python.close()
 
     # ---- admission
     def admit(self, kind: Kind, args: Args, native: bool) -> Generator[None, None, Run]:
         """A run for the call's batch, its hazards registered (ADMIT_BLOCKS per step). ``native``:
         a native pump may carry it (when the engine has them and one is free)."""
         disk, n = args.disk, len(args.disk)
-        batch = self._batches.new(kind, n)
+        batch = self.batches.new(kind, n)
         if self._gpu and (args.after is not None or n):
             # Every copy of this batch, whenever enqueued, runs after the caller's work: ``after``,
             # or by default whatever the caller's current stream holds now.
             self._copier.order_after(kind is Kind.STORE, args.after)
-        holder: list[Run] = []
-
-        def progress() -> None:
-            self._progress(holder[0])
-
-        pump: Pump | None = None
-        if native and self._ring is not None and n:
-            file, ring = self._file, self._ring
-            try:
-                pump = ring.pump(kind is Kind.STORE, file.fd, file.stride, self._blocks,
-                                 file.offsets(args.disk_c, n), args.gpu_c, n, self._pool.waiting,
-                                 len(self._pool.leases), progress, inline=self._pump_inline,
-                                 scatter=kind is Kind.LOAD and self.scatter, copies=self._pump_copies)
-                self.pumped += 1
-            except PumpsBusy:
-                pump = None
-        if pump is None:
-            pump = PyPump(kind, batch, self._batches, self._svc, self._io, self._copier, self._file,
-                          self._contents, disk, args.gpu, self._pool.waiting, self._copy_call_blocks, self.summer,
-                          progress)
-            pump.tracer = self.tracer
-        phase_done = self._svc.create_future()
-        deps: dict[int, Any] = {}
-        register = self._hazards.register
+        run = Run(batch, disk, args.disk_c, self._svc.create_future(), self._progress,
+                  functools.partial(self._pump, kind, args, batch, native))
+        register, phase_done, deps = self._hazards.register, run.phase_done, run.deps
         for lo in range(0, n, ADMIT_BLOCKS):
             if lo:
                 yield
             register(kind, disk[lo:lo + ADMIT_BLOCKS], phase_done, deps)
-        run = Run(batch, disk, list(deps.values()), phase_done, pump, args.disk_c)
-        holder.append(run)
         return run
+
+    def _pump(self, kind: Kind, args: Args, batch: Batch, native: bool, on_progress: Callable[[], None]) -> Pump:
+        """A native pump for the batch where one may carry it and one is free, else a Python one."""
+        n = len(args.disk)
+        if native and self._native is not None and n:
+            try:
+                pump = self._native.pump(kind is Kind.STORE, self._file.offsets(args.disk_c, n), args.gpu_c, n,
+                                         on_progress)
+            except PumpsBusy:
+                pass
+            else:
+                self.pumped += 1
+                return pump
+        return self._python.pump(kind, batch, args.disk, args.gpu, on_progress, self._trace.fn)
 
     # ---- driving
     async def run(self, run: Run, wait: bool) -> TransferHandle:
@@ -168,9 +189,9 @@ class Driver:
     async def _drive(self, run: Run) -> TransferHandle:
         batch, pump, kind, svc, pool = run.batch, run.pump, run.batch.kind, self._svc, self._pool
         try:
-            if self._start_hop:
+            if self._plan.start_hop:
                 await svc.yield_to_io()
-            for dep in run.deps:
+            for dep in run.deps.values():
                 if not dep.done():
                     await svc.wait(dep)
             if kind is Kind.LOAD and run.disk and first_unset(run.disk_c, len(run.disk), self._contents.stored) >= 0:
@@ -180,7 +201,7 @@ class Driver:
                 if pump.slots == 0:
                     waited = time.monotonic()
                     lease = await pool.acquire(kind)
-                    self._batches.metrics[kind].slot_wait_s.observe(time.monotonic() - waited)
+                    self.batches.metrics[kind].slot_wait_s.observe(time.monotonic() - waited)
                     run.waits += 1
                     lease.hand_to_pump()
                     leases = [lease]  # and whatever else is free for the blocks left, in one hand-over
@@ -214,7 +235,7 @@ class Driver:
 
     def _grow(self, run: Run, leases: list[Lease]) -> None:
         """Give the pump ``leases`` (PUMPING already): their slots are its until it hands them back."""
-        tracer = self.tracer
+        tracer = self._trace.fn
         if tracer is not None:
             tracer("grow", run.batch.kind, len(leases))
         run.pump.give([lease.index for lease in leases], [lease.addr for lease in leases])
@@ -244,8 +265,9 @@ class Driver:
             run.wake.set_result(None)
 
     def _finish(self, run: Run) -> None:
-        if self.tracer is not None:
-            self.tracer("finished", run.batch.kind, run.pump.started)
+        tracer = self._trace.fn
+        if tracer is not None:
+            tracer("finished", run.batch.kind, run.pump.started)
         run.finished = True
         pump = run.pump
         pump.close()
@@ -258,12 +280,12 @@ class Driver:
             contents.written(run.disk_c, started)
             for d, code in failures.items():  # a failed write leaves no bytes to trust
                 contents.unstore(d, code)
-        pending = [dep for dep in run.deps if not dep.done()]
+        pending = [dep for dep in run.deps.values() if not dep.done()]
         if pending:  # cancelled before its hazards cleared: a later batch may rely on this order
             self._svc.when_all(pending, bind(self._phase_finished, run))
         else:
             self._phase_finished(run)
-        self._batches.metrics[batch.kind].slot_wait_s.observe(0.0, max(0, started - run.waits))
+        self.batches.metrics[batch.kind].slot_wait_s.observe(0.0, max(0, started - run.waits))
         batch.remaining = batch.to_enqueue = 0
         if not pump.copies_marked:  # every copy is done: an event that has fired (GPU: once recorded)
             if started and run.handle_event:
@@ -271,7 +293,7 @@ class Driver:
             batch.enqueued.set_result(batch.last_event)
         if run.wake is not None and not run.wake.done():
             run.wake.set_result(None)
-        self._batches.check(batch)
+        self.batches.check(batch)
 
     def _phase_finished(self, run: Run) -> None:
         run.phase_done.set_result(None)

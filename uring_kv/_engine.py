@@ -2,10 +2,11 @@
 
 It never calls the kernel or CUDA itself: reads and writes go through an ``IOBackend``, copies through a
 copier, both driven by the batch driver (``_driver.py``) through pumps; leases move only in the
-pumps' completions (see ``_staging``). A call is checked, then admitted (its hazards registered, in
-call order), then driven. Everything after a block's submission is driven by completions, so
-cancelling a call stops *new* submissions but never frees a slot that the kernel or the DMA engine
-still uses.
+pumps' completions (see ``_staging``). ``open()`` computes the engine's plan once (``_plan.py``) and
+builds the parts from it. A call is checked, then admitted (its hazards registered, in call order),
+then driven. Everything after a block's submission is driven by completions, so cancelling a call
+stops *new* submissions but never frees a slot that the kernel or the DMA engine still uses. What it
+shows of itself (metrics, stats) each part reports, and the engine puts together.
 """
 
 from __future__ import annotations
@@ -19,25 +20,27 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 from uring_kv._args import check_call, check_disk_size, index_bytes, normalise_caches
-from uring_kv._batch import Batches, TransferHandle
+from uring_kv._batch import TransferHandle
 from uring_kv._blocks import Contents, HazardTable
 from uring_kv._bridge import Bridge
-from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer
+from uring_kv._copy import CudaCopier, HostCopier, staged_kernel_preparer, staged_path
 from uring_kv._cuda import host_register, host_unregister
-from uring_kv._driver import Driver, Run
+from uring_kv._driver import Driver, Parts, Run
 from uring_kv._file import BlockFile
-from uring_kv._io import IOBackend, open_backend
-from uring_kv._loop import OpenClose, current_services
-from uring_kv._native import BlockCopier, bitmap
-from uring_kv._observe import Observed
+from uring_kv._io import IOBackend, NativePumps, UringBackend, backend_for, ring_for
+from uring_kv._loop import LoopServices, OpenClose, current_services
+from uring_kv._native import BlockCopier, PumpCopies, bitmap
+from uring_kv._plan import Geometry, Plan, make_plan
 from uring_kv._staging import Kind, SlotPool
+from uring_kv._trace import Trace
 from uring_kv._tuning import Tuning
 from uring_kv.errors import EngineClosedError
+from uring_kv.metrics import DirectionMetrics
 
 __all__ = ["Engine", "TransferHandle"]
 
 
-class Engine(Observed, OpenClose):
+class Engine(OpenClose):
     """Loads and stores KV-cache blocks between ``caches`` and a private file beside ``path``.
 
     ``path``: where the block file lives. The file never takes this name (or any): it is made
@@ -125,13 +128,20 @@ class Engine(Observed, OpenClose):
         self.checksum = checksum
         self.keep_file = keep_file
         self._state = "new"
+        self._svc: LoopServices  # the loop's services, from open()
         self._open_done: Any = None  # futures: open() finished (however), the closing finished
         self._close_done: Any = None
         self._hazards = HazardTable()
         self._admitting: deque[Any] = deque()  # futures: the calls being admitted, in call order
-        self._batches = Batches(self.block_bytes)  # the active batches and their metrics
+        self._metrics = {Kind.LOAD: DirectionMetrics(), Kind.STORE: DirectionMetrics()}
+        self._trace = Trace()  # Engine.trace's tracer, held by the parts open() builds
+        # what open() builds, from its plan
+        self.plan: Plan | None = None
+        self.io: IOBackend
+        self.pool: SlotPool
+        self.bridge: Bridge
+        self.copier: HostCopier | CudaCopier
         self._driver: Driver | None = None
-        self._tracer: Callable[[str, Kind | None, int], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> Engine:
@@ -139,7 +149,6 @@ class Engine(Observed, OpenClose):
             raise RuntimeError(f"engine is {self._state}; open() is called once")
         svc = current_services()
         self._svc = svc
-        self._batches.services = svc
         self._state = "opening"
         self._open_done = svc.create_future()  # an aclose() meanwhile waits for it, then closes
         try:
@@ -150,7 +159,7 @@ class Engine(Observed, OpenClose):
             self._open_done.set_result(None)
             raise
         try:
-            self._open_rest()
+            self._open_rest(svc)
         except BaseException:
             self._release()  # nothing was submitted yet
             raise
@@ -169,36 +178,64 @@ class Engine(Observed, OpenClose):
                 prepare()
         return file
 
-    def _open_rest(self) -> None:
-        tuning, stride = self.tuning, self.file.stride
-        async_io, async_writes = tuning.sqe_flags(self.gpu, self.file.direct, self.num_slots, stride)
-        capped = self.io_depth < self.num_slots
-        self.io: IOBackend = open_backend(self._io_mode or tuning.io, services=self._svc, async_io=async_io,
-                                          async_writes=async_writes, depth=self.io_depth if capped else None,
-                                          tuning=tuning)
-        self.pool = SlotPool(self.num_slots, stride, self._svc, tuning.huge_pages)
-        self._host_registered = False
+    def _open_rest(self, svc: LoopServices) -> None:
+        """The plan, and the parts built from it. io_uring is asked for first (the plan depends on
+        whether it runs here), then the slots and, in GPU mode, the staged path's device side."""
+        tuning, file = self.tuning, self.file
+        ring, io_reason = ring_for(self._io_mode or tuning.io, svc)
+        io: IOBackend | None = None
+        try:
+            self.pool = pool = SlotPool(self.num_slots, file.stride, svc, tuning.huge_pages)
+            self._host_registered = False
+            if self.gpu:
+                host_register(pool.slab.addr, pool.slab.size)
+                self._host_registered = True
+            blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
+            staging, staged_error = (
+                staged_path(self.device, blocks, pool.slab.addr, file.stride, self.num_slots, self.block_bytes)
+                if self.gpu and tuning.cuda_staged else (None, ""))
+            self.plan = plan = make_plan(tuning, self._geometry(file), ring is not None, io_reason,
+                                         staging is not None, staged_error)
+            io, uring = backend_for(plan, svc, ring, tuning, self._trace)
+        except BaseException:
+            if ring is not None and io is None:  # (not yet the backend's)
+                ring.close()
+            raise
+        self.io = io
+        self.io.register_buffers([(lease.addr, file.stride) for lease in pool.leases])
+        self.io.register_file(file.fd)
+        self.bridge = Bridge(svc, self._trace)
+        collect = ring.collect if ring is not None and plan.pump_copies == "jobs" else None
         if self.gpu:
-            host_register(self.pool.slab.addr, self.pool.slab.size)
-            self._host_registered = True
-        self.io.register_buffers([(lease.addr, stride) for lease in self.pool.leases])
-        self.io.register_file(self.file.fd)
-        self.bridge = Bridge(self._svc)
-        blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
-        self.copier: HostCopier | CudaCopier
-        if self.gpu:
-            self.copier = CudaCopier(blocks, self.bridge, self.device, self._copy_delay,
-                                     lanes=tuning.copy_lanes or None,
-                                     staging=(self.pool.slab.addr, stride, self.num_slots, self.block_bytes),
-                                     native=tuning.native_copier, staged=tuning.cuda_staged, batch=tuning.cuda_batch)
+            self.copier = CudaCopier(blocks, self.bridge, self.device, staging=staging, staging_error=staged_error,
+                                     lanes=plan.copy_lanes, native=plan.native_copier, batch=plan.copy_batch,
+                                     delay=self._copy_delay, collect=collect)
         else:
-            self.copier = HostCopier(blocks, self.bridge, self._copy_delay, inline_bytes=tuning.host_inline_bytes,
-                                     native=tuning.native_copier)
-        self._batches.copier = self.copier
-        self._driver = Driver(self._svc, tuning, self.file, self.pool, self.io, self.copier, blocks, self._contents,
-                              self._hazards, self._batches, self.gpu, self.checksum, self._tensors,
-                              self._tensor_block_bytes)
-        self._apply_tracer()
+            self.copier = HostCopier(blocks, self.bridge, inline_blocks=plan.inline_copy_blocks,
+                                     native=plan.native_copier, delay=self._copy_delay, collect=collect)
+        native = self._native_pumps(plan, uring, blocks) if uring is not None and plan.pumps else None
+        self._driver = Driver(svc, plan, Parts(file, pool, self.io, self.copier, native), self._contents,
+                              self._hazards, self._metrics, self._trace)
+
+    def _geometry(self, file: BlockFile) -> Geometry:
+        align = file.alignment
+        rows_aligned = all(int(t.data_ptr()) % align == 0 and nbytes % align == 0
+                           for t, nbytes in zip(self._tensors, self._tensor_block_bytes, strict=True))
+        return Geometry(gpu=self.gpu, direct=file.direct, stride=file.stride, num_slots=self.num_slots,
+                        io_depth=self.io_depth, tensors=len(self._tensors), block_bytes=self.block_bytes,
+                        rows_aligned=rows_aligned, checksum=self.checksum, slowed=self._copy_delay > 0)
+
+    def _native_pumps(self, plan: Plan, uring: UringBackend, blocks: BlockCopier) -> NativePumps:
+        """The native pumps on the ring; their copies are jobs for the native copier where the plan
+        says so (with the device staging slot of every slot, on the staged CUDA path)."""
+        copies = None
+        if plan.pump_copies == "jobs":
+            link = self.copier.link
+            assert link is not None  # (the plan runs pumps' copies as jobs only on the native copier)
+            dev_slots = self.copier.pump_dev_slots([lease.addr for lease in self.pool.leases])
+            copies = PumpCopies(link.jobs, plan.copy_call_blocks, dev_slots)
+        return uring.pumps(self.file.fd, self.file.stride, blocks, self.pool.waiting, self.num_slots,
+                           plan.pump_inline, plan.into_rows, copies)
 
     def _release(self) -> None:
         """Free whatever open() set up, last part first, each part even if an earlier one failed
@@ -262,7 +299,7 @@ class Engine(Observed, OpenClose):
 
     async def _close(self) -> None:
         try:
-            for batch in list(self._batches.active):
+            for batch in list(self._driver.batches.active if self._driver is not None else ()):
                 await self._svc.wait_through_cancellation(batch.done)
             await self.io.drain()
             while self.bridge.pending or self.copier.pending:
@@ -360,7 +397,8 @@ class Engine(Observed, OpenClose):
         the first transfer."""
         if not self.keep_file or not self.checksum:
             raise ValueError("adopt() needs an engine with keep_file=True and checksum=True")
-        if self._state not in ("new", "open") or self._batches.active or self._hazards:
+        if self._state not in ("new", "open") or (self._driver is not None and self._driver.batches.active) \
+                or self._hazards:
             raise RuntimeError(f"adopt() is for an engine with no transfer yet (engine is {self._state})")
         for d in sums:
             if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < self.num_disk_blocks:
@@ -431,7 +469,78 @@ class Engine(Observed, OpenClose):
         assert self._driver is not None
         return await self._driver.run(run, wait)
 
-    # ----------------------------------------------------------------- internals
+    # ----------------------------------------------------------------- what it shows of itself
+    def _gauges(self) -> dict[str, Any]:
+        """What is held or in flight right now (all zero before open() and once closed)."""
+        if self._driver is None or self._state == "closed":
+            return {"leases_held": 0, "io_inflight": 0, "copies_pending": 0, "oldest_lease_age_s": 0.0}
+        return {"leases_held": self.pool.held, "io_inflight": self.io.inflight,
+                "copies_pending": self.bridge.pending + self.copier.pending,
+                "oldest_lease_age_s": self.pool.oldest_age()}
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot: per direction (``load``, ``store``) bytes, blocks, failures, cancelled blocks,
+        batches and histograms of batch latency and slot wait; gauges for leases held, copies
+        pending, I/O in flight and the oldest lease's age."""
+        snapshot: dict[str, Any] = {kind.name.lower(): m.snapshot() for kind, m in self._metrics.items()}
+        snapshot.update(self._gauges())
+        return snapshot
+
+    def stats(self) -> dict[str, Any]:
+        """The gauges of :meth:`metrics`, the number of active batches, how many batches ran in
+        native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
+        kept unnamed, fixed buffers, pinned bytes, whether the slots were advised onto huge pages
+        (``huge_pages``), event loop, and whether pumped loads read straight
+        into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned), the
+        :class:`Tuning` in force (``tuning``, a dict) and the plan made from it at ``open()``
+        (``plan``, a dict: every choice of the data path, see ``docs/design.md``). ``direct_reason``:
+        why the file is buffered ('' under O_DIRECT); ``stride``: bytes a block takes in the file
+        (block ``d`` at ``d * stride``). Once open."""
+        driver, plan = self._driver, self.plan
+        if driver is None or plan is None:
+            raise RuntimeError(f"uring_kv Engine for {self.path}: stats() once open() has run")
+        return {**self._gauges(), **driver.stats(), **self.io.stats(), **self.copier.stats(), **self.file.stats(),
+                **self.pool.stats(), "io_depth": self.io_depth, "loop": self._svc.name,
+                "loads_into_caches": plan.into_rows, "tuning": self.tuning.as_dict(), "plan": plan.as_dict()}
+
+    def fileno(self) -> int:
+        """The block file's descriptor (block ``d`` at ``d * stats()["stride"]``), for tools that read
+        it beside the engine, such as the bench's peers; valid while the engine is open."""
+        return int(self.file.fd)
+
+    def delivery_times(self, clear: bool = False) -> list[int]:
+        """Diagnostics (may change): ns from each finished copy (CUDA event or copier job) to the
+        loop taking it, the last 100,000; ``clear`` empties the record after reading it."""
+        times = list(self.bridge.delivery_ns)
+        if clear:
+            self.bridge.delivery_ns.clear()
+        return times
+
+    def trace(self, tracer: Callable[[str, Kind | None, int], None] | None) -> None:
+        """Diagnostics (for timing studies; may change): ``tracer(event, kind, count)`` runs on the
+        loop's thread at these points (``None`` stops it; it may be set before or after ``open()``):
+
+        ========================  ======  =====================================================
+        event                     kind    count
+        ========================  ======  =====================================================
+        ``grow`` / ``grown``      batch   slots given to a batch's pump; before, and after its
+                                          first I/O was submitted
+        ``finished``              batch   blocks the batch's pump started
+        ``submit``/``submitted``  None    io_uring: SQEs about to be submitted; after, the
+                                          reads and writes in flight, not yet reaped
+        ``reap`` / ``reaped``     None    io_uring wake-up: I/Os in flight before the reap;
+                                          after, completions it found (pumps' included)
+        ``collect``/``collected`` None    native copier: jobs pending; after, jobs taken
+        ``copy``/``copy_queued``  batch   Python pump: blocks whose copies it queues, around
+                                          the copier calls
+        ``block_*``               batch   Python pump, a block's position in its batch:
+                                          ``start``, ``read`` (handled), ``copy`` (queued),
+                                          ``copied`` (done), ``write`` (submitted), ``written``
+        ========================  ======  =====================================================
+
+        Native pumps (the default) report only the first six; ``URING_KV_DEBUG_PUMP=0`` runs every
+        batch in the Python pump. A tracer that raises breaks the batch it ran in."""
+        self._trace.fn = tracer
 
 
 def _close_file(file: BlockFile) -> None:

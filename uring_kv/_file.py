@@ -110,6 +110,11 @@ class BlockFile:
             self._remove()
             raise
 
+    def stats(self) -> dict[str, Any]:
+        """What it shows of itself in ``Engine.stats()``: ``direct`` and why not (``direct_reason``),
+        how it is named (``file``), ``stride`` (block ``d`` at ``d * stride``)."""
+        return {"direct": self.direct, "direct_reason": self.reason, "file": self.naming, "stride": self.stride}
+
     def _try_direct(self) -> tuple[bool, str]:
         if not self.keep:
             return _probe_direct(self.fd, self.alignment)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,9 +76,12 @@ SqeTuple = tuple[int, int, int, int, int, int, int, int]
 class NativeRing:
     """One io_uring instance, and the handling of its completions for pumps: :meth:`reap` (the
     CQEs) and :meth:`collect` (the native copier's finished pump jobs) each move the pumps in one
-    C call. Every method must be called on the thread that created it."""
+    C call, then run the progress handler of each pump that moved (``report``: where a handler
+    that raised, or a failed submission of the pumps' next I/Os, is reported; the other handlers
+    still run). Every method must be called on the thread that created it."""
 
-    def __init__(self, entries: int, cq_entries: int, flags: SetupFlag) -> None:
+    def __init__(self, entries: int, cq_entries: int, flags: SetupFlag,
+                 report: Callable[[str, BaseException], None]) -> None:
         out = ffi.new("struct ukv_ring **")
         _check(_lib.ukv_ring_open(entries, cq_entries, int(flags), out), "io_uring_setup")
         self._ring = out[0]
@@ -97,8 +100,7 @@ class NativeRing:
         self._jobs = _JobsOut()  # what collect() takes
         self.reap_budget_ns = 0  # see reap()
         self.pumps: dict[int, NativePump] = {}  # attached pumps by id
-        self.touched: list[NativePump] = []  # pumps that moved in the last reap
-        self.refill_error: OSError | None = None
+        self._report = report
         self.more = False  # the last reap ran out of its budget with completions left
 
     def close(self) -> None:
@@ -173,19 +175,33 @@ class NativeRing:
         slot took each completion's room first (pumps holding more slots than the ring's cap)."""
         return int(_lib.ukv_ring_copied_late(self._ring))
 
-    def _pumps_outcome(self) -> None:
-        """What the last C call that moved pumps left in this ring's buffers: the pumps it moved
-        (added to ``touched``) and why submitting their next I/Os failed (``refill_error``)."""
+    def _moved(self, moved: list[NativePump]) -> list[NativePump]:
+        """Add the pumps the last C call moved to ``moved`` (a pump twice if two calls moved it),
+        and report why submitting their next I/Os failed, if it did (they stay queued)."""
         if self._submit_error[0]:
-            self.refill_error = os_error(self._submit_error[0], "io_uring_submit (pump refills)")
+            self._report("uring_kv could not submit pump refills",
+                         os_error(self._submit_error[0], "io_uring_submit (pump refills)"))
         if self._ntouched[0]:
             pumps = self.pumps
-            self.touched.extend(pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
+            moved.extend(pumps[i] for i in ffi.unpack(self._touched, self._ntouched[0]))
+        return moved
+
+    def _progress(self, moved: list[NativePump]) -> None:
+        """Run the progress handler of each pump that moved and is still attached (an earlier
+        handler may have finished it)."""
+        pumps = self.pumps
+        for pump in moved:
+            if pumps.get(pump.id) is not pump:
+                continue
+            try:
+                pump.on_progress()
+            except Exception as exc:  # one bad handler must not stop the others
+                self._report("uring_kv pump handler failed", exc)
 
     def reap(self) -> list[tuple[int, int]]:
-        """Every completion the CQ holds now, as (user_data, res); completions of pump ops are
-        handled in C (see :class:`NativePump`) and the pumps that moved are in ``touched``. If
-        submitting the pumps' refills failed, ``refill_error`` says why (they stay queued).
+        """Every completion the CQ holds now, as (user_data, res), but those of pump ops: those are
+        handled in C (see :class:`NativePump`), and the pumps that moved have had their progress
+        handlers run when it returns.
 
         Pump refills that the kernel completes inside their submission (page-cache hits without
         IOSQE_ASYNC) are handled in further passes for up to ``reap_budget_ns``, which also ends a
@@ -193,31 +209,31 @@ class NativeRing:
         is True when the budget ran out with completions left: the caller reaps again on a later
         loop turn (nothing else would wake it for them)."""
         done: list[tuple[int, int]] = []
-        self.touched = []
-        self.refill_error = None
+        moved: list[NativePump] = []
         self.more = False
         while True:
             got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
                                        self._touched, self._ntouched, self._submit_error, self.reap_budget_ns,
                                        self._more)
-            self._pumps_outcome()
+            self._moved(moved)
             if got:
                 done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
             if got < self._reap_cap:
                 self.more = bool(self._more[0])
+                if moved:
+                    self._progress(moved)
                 return done
 
     def collect(self, jobs: CopyJobs) -> list[tuple[int, int, int, int]]:
         """The native copier's finished jobs, as :meth:`CopyJobs.done` returns them, taken in one C
         call that also handles this ring's pumps' jobs among them: their slots move on (the next
-        block's I/O or copy, or back to Python), the pumps that moved are in ``touched``, and
-        ``refill_error`` says why submitting their next I/Os failed, if it did."""
-        self.touched = []
-        self.refill_error = None
+        block's I/O or copy, or back to Python), and the pumps that moved have had their progress
+        handlers run when it returns."""
         out = self._jobs
         n = _lib.ukv_ring_collect(self._ring, jobs.handle, CopyJobs.BATCH, out.tokens, out.rcs, out.wheres,
                                   out.done_ns, self._touched, self._ntouched, self._submit_error)
-        self._pumps_outcome()
+        if self._ntouched[0] or self._submit_error[0]:
+            self._progress(self._moved([]))
         return out.taken(n)
 
 
@@ -241,14 +257,16 @@ class NativePump:
 
     Blocks ``i`` go between file offset ``offsets[i]`` and cache block ``cache_blocks[i]`` of every
     tensor of ``blocks``; ``waiting`` (an int32[2] from :func:`counters`) are the slot pool's waiter
-    counts, read by C before it reuses a slot. Call on the ring's thread only; :meth:`detach` once
-    :attr:`finished`."""
+    counts, read by C before it reuses a slot. ``on_progress()`` runs on the ring's thread after
+    each reap or collection in which the pump moved (see :class:`NativeRing`). Call on the ring's
+    thread only; :meth:`detach` once :attr:`finished`."""
 
-    __slots__ = ("_keep", "_p", "_ring", "nblocks")
+    __slots__ = ("_keep", "_p", "_ring", "id", "nblocks", "on_progress")
 
     def __init__(self, ring: NativeRing, write: bool, fd: int, sqe_flags: int, fixed_buffers: bool,
                  stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any, nblocks: int,
-                 waiting: Any, max_slots: int, scatter: bool = False, copies: PumpCopies | None = None) -> None:
+                 waiting: Any, max_slots: int, scatter: bool, copies: PumpCopies | None,
+                 on_progress: Callable[[], None]) -> None:
         """``offsets`` (uint64) and ``cache_blocks`` (int64) are C arrays of ``nblocks`` entries
         (see :func:`block_array` and :func:`scaled`). ``scatter`` (loads): read each block straight
         into its pieces of the cache tensors (an iovec each) instead of into the slot, then memcpy.
@@ -263,9 +281,9 @@ class NativePump:
         if raw == ffi.NULL:
             raise MemoryError("no memory for a pump")
         p = ffi.gc(raw, _lib.ukv_pump_free)
-        self._p, self._ring, self.nblocks = p, ring, nblocks
+        self._p, self._ring, self.nblocks, self.on_progress = p, ring, nblocks, on_progress
         self._keep = (offsets, cache_blocks, blocks, waiting, copies)
-        ring.attach(self, p)
+        self.id = ring.attach(self, p)  # (-1 once detached)
 
     @property
     def started(self) -> int:
@@ -326,8 +344,9 @@ class NativePump:
         return list(zip(ffi.unpack(p.failed, p.nfailed), ffi.unpack(p.fail_errno, p.nfailed), strict=True))
 
     def detach(self) -> None:
-        if self._p.id >= 0:
-            self._ring.detach(int(self._p.id), self._p)
+        if self.id >= 0:
+            self._ring.detach(self.id, self._p)
+            self.id = -1
 
 
 def block_array(values: list[int] | int) -> Any:

@@ -32,11 +32,13 @@ from typing import Any
 
 from uring_kv._batch import Batch, Batches, bind
 from uring_kv._blocks import Contents
+from uring_kv._copy import Copier
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op
 from uring_kv._loop import LoopServices
 from uring_kv._memory import view_of
 from uring_kv._staging import Kind
+from uring_kv._trace import Tracer
 
 _Slot = tuple[int, int]  # (pool index, address)
 _Ready = tuple[int, int, int]  # (pool index, address, block position)
@@ -80,22 +82,45 @@ def crc32c_of(addr: int, length: int) -> int:
         view.release()
 
 
+class PyPumps:
+    """What every Python pump of an open engine shares: its loop, I/O backend, copier, file,
+    contents, batches' books, the slot pool's waiter counts, the blocks per copy call and, with
+    ``checksum``, the crc32c summer; :meth:`pump` makes one for a batch."""
+
+    def __init__(self, services: LoopServices, io: IOBackend, copier: Copier, file: BlockFile, contents: Contents,
+                 batches: Batches, waiting: Any, copy_call_blocks: int, checksum: bool) -> None:
+        self.services, self.io, self.copier, self.file, self.contents = services, io, copier, file, contents
+        self.batches, self.waiting, self.copy_call_blocks = batches, waiting, copy_call_blocks
+        self.summer = Summer(services, file.stride) if checksum else None
+
+    def pump(self, kind: Kind, batch: Batch, disk: list[int], cache_blocks: list[int],
+             on_progress: Callable[[], None], tracer: Tracer | None) -> PyPump:
+        """A pump for ``batch`` (blocks ``disk[i]`` ↔ ``cache_blocks[i]``); ``on_progress()`` runs on the
+        loop when it handed slots back or finished; ``tracer``: Engine.trace's, or None."""
+        return PyPump(self, kind, batch, disk, cache_blocks, on_progress, tracer)
+
+    def close(self) -> None:
+        if self.summer is not None:
+            self.summer.close()
+
+
 class PyPump:
     """One batch's blocks through the slots it is given; see the module docstring."""
 
     copies_marked = True  # its copies count down ``batch.to_enqueue``; the copier marks the last one
-    # Engine.trace's tracer: block events (count: the block's position in its batch) and copy calls
-    tracer: Callable[[str, Kind | None, int], None] | None = None
 
-    def __init__(self, kind: Kind, batch: Batch, batches: Batches, services: LoopServices, io: IOBackend,
-                 copier: Any, file: BlockFile, contents: Contents, disk: list[int], cache_blocks: list[int],
-                 waiting: Any, copy_call_blocks: int, summer: Summer | None, on_progress: Callable[[], None]) -> None:
+    def __init__(self, kit: PyPumps, kind: Kind, batch: Batch, disk: list[int], cache_blocks: list[int],
+                 on_progress: Callable[[], None], tracer: Tracer | None) -> None:
         self._kind = kind
         self._write = kind is Kind.STORE
-        self._batch, self._batches, self._svc, self._io, self._copier = batch, batches, services, io, copier
-        self._file, self._contents, self._summer = file, contents, summer
+        self._batch, self._batches, self._svc, self._io, self._copier = batch, kit.batches, kit.services, kit.io, \
+            kit.copier
+        self._file, self._contents, self._summer = kit.file, kit.contents, kit.summer
         self._disk, self._cache = disk, cache_blocks
-        self._waiting, self._step, self._on_progress = waiting, copy_call_blocks, on_progress
+        self._waiting, self._step, self._on_progress = kit.waiting, kit.copy_call_blocks, on_progress
+        # Engine.trace's tracer when the batch was admitted: block events (count: the block's
+        # position in its batch) and copy calls
+        self.tracer = tracer
         self.nblocks = len(disk)
         self._next = 0  # blocks started
         self._held = 0  # slots held

@@ -191,6 +191,10 @@ class SlotPool:
                     return
         self._free.append(lease)
 
+    def stats(self) -> dict[str, Any]:
+        """What it shows of itself in ``Engine.stats()``: ``pinned_bytes``, ``huge_pages``."""
+        return {"pinned_bytes": self.slab.size, "huge_pages": self.slab.huge_pages}
+
     def oldest_age(self) -> float:
         held = [lease.since for lease in self.leases if lease.state is not LeaseState.FREE]
         return time.monotonic() - min(held) if held else 0.0

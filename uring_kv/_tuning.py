@@ -1,8 +1,9 @@
 """``Tuning``: every knob of the engine in one frozen value, and the policies derived from it.
 
 An engine reads its tuning once, at construction (``Engine(..., tuning=None)`` reads the
-environment then); nothing below it reads ``os.environ``. ``engine.stats()["tuning"]`` and
-``uring-kv info`` print what is in force. Two kinds of fields:
+environment then, with :meth:`Tuning.from_env`: the one place the package reads it); nothing below
+it reads ``os.environ``, and the plan of its data path is made from it (``_plan.py``).
+``engine.stats()["tuning"]`` and ``uring-kv info`` print what is in force. Two kinds of fields:
 
 - **settings** (``URING_KV_<NAME>``): documented in ``docs/configuration.md``, kept across versions;
 - **diagnostics** (``URING_KV_DEBUG_<NAME>``): A/B switches that turn off one mechanism to measure
@@ -143,8 +144,10 @@ class Tuning:
         direct_async = gpu or not self.copies_inline(num_slots, stride)
         return direct_async or not direct, direct_async and direct
 
-    def staging_slots(self, io_depth: int, stride: int, gpu: bool, direct: bool = True) -> int:
-        """Staging slots that keep ``io_depth`` I/Os in flight (``stride``: the padded block):
+    @staticmethod
+    def staging_slots(io_depth: int, stride: int, gpu: bool, direct: bool = True) -> int:
+        """Staging slots that keep ``io_depth`` I/Os in flight (``stride``: the padded block), the
+        same under any tuning:
 
         - half the depth again wherever the copies are jobs for the native copier, so that each
           slot spends a copy turnaround between its read and the next (0.80× of the ring ceiling at
@@ -156,7 +159,7 @@ class Tuning:
           ceiling without, 0.94× with 32);
         - none for buffered files there: their pumps read straight into the caches.
         """
-        if gpu or not self.copies_inline(io_depth, stride):
+        if gpu or not Tuning.copies_inline(io_depth, stride):
             return io_depth + io_depth // 2
         if not direct:
             return io_depth

@@ -242,50 +242,68 @@ def _bench_sglang(args: argparse.Namespace) -> int:
     return sglang_bench.main(args)
 
 
+# The engine `uring-kv info` opens to show its plan: CPU caches of 128 KiB blocks, 16 staging slots.
+INFO_BLOCK_BYTES, INFO_SLOTS = 128 << 10, 16
+
+
 def info(path: str | None) -> tuple[dict[str, Any], str | None]:
-    """What uring_kv would use here, and the reason it cannot run (or None)."""
+    """What uring_kv would use here, and the reason it cannot run (or None): the tuning in force,
+    and what an engine opened in ``path`` (default: the temp directory) on CPU caches chose there:
+    I/O, O_DIRECT and the plan of its data path."""
     import torch
 
-    from uring_kv import Tuning
+    from uring_kv import Engine, Tuning
     from uring_kv._cuda import cuda_copy_path, load_cuda_driver
-    from uring_kv._file import BlockFile
     from uring_kv._io import open_backend
     from uring_kv._native import LIBURING_VERSION
 
     facts: dict[str, Any] = {"uring_kv": __version__, "kernel": platform.release(),
                              "liburing (static)": LIBURING_VERSION}
     problem = None
+    directory = path or tempfile.gettempdir()
+    caches = [torch.zeros(4, INFO_BLOCK_BYTES, dtype=torch.uint8)]
     try:
-        tuning = Tuning.from_env()
+        engine = Engine(caches, os.path.join(directory, ".uring-kv-info"), 4, INFO_SLOTS)  # (reads the tuning)
     except ValueError as exc:
         facts["tuning"] = f"invalid: {exc}"
         return facts, str(exc)
-    defaults = Tuning()
+    tuning, defaults = engine.tuning, Tuning()
     changed = {k: v for k, v in tuning.as_dict().items() if v != getattr(defaults, k)}
     facts["tuning"] = ", ".join(f"{k}={v}" for k, v in changed.items()) or "defaults"
 
-    async def probe_io() -> str:
-        io = open_backend(None, tuning=tuning)
+    async def probe_engine() -> dict[str, Any]:
+        async with engine:
+            return {**engine.stats(), "alignment": engine.file.alignment}
+
+    async def probe_io() -> str:  # where no engine opened: the I/O path alone
+        io = open_backend(tuning.io, tuning=tuning)
         try:
             return io.description
         finally:
             io.close()
 
+    stats: dict[str, Any] | None = None
     try:
-        facts["io"] = asyncio.run(probe_io())
+        stats = asyncio.run(probe_engine())
+    except OSError as exc:
+        facts["O_DIRECT"] = f"cannot create a block file in {directory}: {exc}"
+        problem = facts["O_DIRECT"]
     except Exception as exc:
         facts["io"] = f"unavailable: {exc}"
         problem = str(exc)
-    directory = path or tempfile.gettempdir()
-    try:
-        probe = BlockFile(os.path.join(directory, f".uring-kv-info-{os.getpid()}"), 4096, 1)
+    if stats is not None:
+        facts["io"] = stats["io"]
         facts["path"] = directory
-        facts["O_DIRECT"] = "yes" if probe.direct else f"no ({probe.reason})"
-        facts["alignment"] = probe.alignment
-        probe.close()
-    except OSError as exc:
-        facts["O_DIRECT"] = f"cannot create a block file in {directory}: {exc}"
-        problem = problem or facts["O_DIRECT"]
+        facts["O_DIRECT"] = "yes" if stats["direct"] else f"no ({stats['direct_reason']})"
+        facts["alignment"] = stats["alignment"]
+        facts[f"plan (CPU, {INFO_BLOCK_BYTES >> 10} KiB blocks, {INFO_SLOTS} slots)"] = ", ".join(
+            f"{k}={v}" for k, v in stats["plan"].items())
+    elif "io" not in facts:
+        try:
+            facts["io"] = asyncio.run(probe_io())
+        except Exception as exc:
+            facts["io"] = f"unavailable: {exc}"
+            problem = problem or str(exc)
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     facts["RLIMIT_MEMLOCK"] = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
     facts["torch"] = torch.__version__

@@ -66,4 +66,4 @@ def staging_slots(config: BenchConfig, device: torch.device, block_bytes: int, d
     # here means inline there too. Where they can differ (blocks far below 4 KiB with hundreds of
     # slots; alignments over 4 KiB), the engine runs a slower path, never a wrong one.
     stride = round_up(block_bytes, 4096)
-    return Tuning.from_env().staging_slots(config.io_depth, stride, device.type == "cuda", direct)
+    return Tuning.staging_slots(config.io_depth, stride, device.type == "cuda", direct)
