@@ -204,3 +204,78 @@ def test_the_c_files_call_each_other_in_no_loop() -> None:
     assert "csrc/copier.c" in calls["csrc/pump.c"]  # the finder sees calls across files
     cycle = _a_cycle(calls)
     assert cycle is None, "C files calling each other in a loop: " + " -> ".join(cycle or [])
+
+
+# Reads and writes of another object's private attributes (``x._name`` where ``x`` is not ``self``,
+# ``cls``, ``super()`` or a module) that remain in the package, each with why it stays. Every other
+# one fails the test below: an object's private state is its own.
+PRIVATE_REACH_INS = {
+    "integrations/mooncake_bench.py: tier._row_addr":
+        "the bench's raw row times the Mooncake client alone on the tier's own staging rows",
+    "integrations/mooncake_bench.py: tier._submit":
+        "... on the tier's own worker thread (the only thread that may call its client)",
+    "integrations/mooncake_bench.py: tier._client":
+        "... its client, with no checksum and no copy: what the tier adds is measured against it",
+    "integrations/mooncake_remote.py: self._tier._answer":
+        "a store call's parts wait for their answers through the tier that made them (its deadline)",
+    "integrations/sglang_bench.py: backend._store":
+        "the bench reports whether SGLang's backend got O_DIRECT, which SGLang's interface does not show",
+}
+MAX_PRIVATE_REACH_INS = 5
+
+
+def _module_names(tree: ast.Module, rel: str) -> set[str]:
+    """The names a file binds to modules by its imports (``import a.b`` binds ``a``; ``from a
+    import b`` binds ``b`` where ``a.b`` is a module)."""
+    names: set[str] = set()
+    package = ["uring_kv", *Path(rel).with_suffix("").parts][:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            for alias in node.names:
+                try:
+                    is_module = importlib.util.find_spec(f"{module}.{alias.name}") is not None
+                except (ImportError, ValueError):
+                    is_module = False
+                if is_module:
+                    names.add(alias.asname or alias.name)
+    return names
+
+
+def _private_reach_ins() -> list[str]:
+    """Every ``x._name`` read or written in a .py file under uring_kv/ where ``x`` is not ``self``,
+    ``cls``, ``super()``, or a module (``torch.cuda._sleep`` is a library's, not an object's)."""
+    found = []
+    for rel in sorted(rel for rel in _package_files() if rel.endswith(".py")):
+        tree = ast.parse((PACKAGE / rel).read_text(), rel)
+        modules = _module_names(tree, rel)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.endswith("__")):
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                continue
+            root = value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in modules:  # a module's, or one of its submodules'
+                continue
+            found.append(f"{rel}: {ast.unparse(node)}")
+    return found
+
+
+def test_private_attributes_are_touched_only_by_their_own_object() -> None:
+    """At most MAX_PRIVATE_REACH_INS reads or writes of another object's private attribute in the
+    package, each listed in PRIVATE_REACH_INS with why it stays (and each listed one still there)."""
+    found = _private_reach_ins()
+    unexplained = [access for access in found if access not in PRIVATE_REACH_INS]
+    assert not unexplained, "private attributes of another object (make them public, or move the code): " + \
+        "; ".join(unexplained)
+    gone = sorted(PRIVATE_REACH_INS.keys() - set(found))
+    assert not gone, f"PRIVATE_REACH_INS lists accesses that are gone (remove them): {gone}"
+    assert len(found) <= MAX_PRIVATE_REACH_INS

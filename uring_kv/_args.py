@@ -173,3 +173,31 @@ def checked_keys(keys: Iterable[bytes]) -> list[bytes]:
         if not isinstance(key, bytes):
             raise TypeError(f"keys[{position}] is a {type(key).__name__}, not bytes")
     return key_list
+
+
+def check_keys_and_rows(keys: Iterable[bytes], rows: Iterable[int], after: Any, gpu: bool, num_rows: int,
+                        unique_keys: bool) -> tuple[list[bytes], list[int]]:
+    """A store call's keys and cache rows as lists, checked (so that nothing changes before the
+    engine, which checks the rows again, could refuse them): ``after`` only for CUDA caches
+    (``gpu``), as many rows as keys, each an integer in [0, num_rows) and none twice, and with
+    ``unique_keys`` (a put) no key twice."""
+    if after is not None and not gpu:
+        raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
+    key_list = checked_keys(keys)
+    row_list = list(rows.tolist() if hasattr(rows, "tolist") else rows)
+    if len(key_list) != len(row_list):
+        raise ValueError(f"keys has {len(key_list)} entries but rows has {len(row_list)}")
+    for position, row in enumerate(row_list):
+        if isinstance(row, bool):
+            raise TypeError(f"rows[{position}] is a bool, not a row index")
+        try:
+            row_list[position] = operator.index(row)
+        except TypeError:
+            raise TypeError(f"rows[{position}] must be an integer, got {type(row).__name__}") from None
+        if not 0 <= row_list[position] < num_rows:
+            raise ValueError(f"rows[{position}] = {row_list[position]} is out of range [0, {num_rows})")
+    if len(set(row_list)) != len(row_list):
+        raise ValueError("a row appears twice in one call")
+    if unique_keys and len(set(key_list)) != len(key_list):
+        raise ValueError("a key appears twice in one put")
+    return key_list, row_list

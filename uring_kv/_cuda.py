@@ -217,7 +217,7 @@ def _kernel(source: str, name: str, device: Any) -> Any:
     with _KERNELS_LOCK:
         if key not in _KERNELS:
             with torch.cuda.device(key[1]):
-                _KERNELS[key] = torch.cuda._compile_kernel(source, name)
+                _KERNELS[key] = torch.cuda._compile_kernel(source, name)  # NVRTC through torch: no public call
         return _KERNELS[key]
 
 
@@ -354,8 +354,9 @@ class Device:
 
     def sleep(self, stream: Any, cycles: int) -> None:
         """Hold ``stream`` for about ``cycles`` GPU clock cycles (tests' slowed copies)."""
-        with self._torch.cuda.device(self.device), self._torch.cuda.stream(stream):
-            self._torch.cuda._sleep(cycles)
+        torch = self._torch
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)  # torch's own test kernel: no public call holds a stream
 
 
 # ---- Pinned host memory ---------------------------------------------------------------------------

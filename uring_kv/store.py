@@ -42,14 +42,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import operator
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from uring_kv._args import capacity_in_blocks, checked_keys, normalise_caches
+from uring_kv._args import capacity_in_blocks, check_keys_and_rows, normalise_caches
 from uring_kv._engine import Engine
 from uring_kv._journal import Journal, Row, failure_errno
 from uring_kv._loop import CallsUnderWay, LoopServices, OpenClose, current_services
@@ -569,29 +568,7 @@ class BlockStore(OpenClose):
 
     def _arguments(self, keys: Iterable[bytes], rows: Iterable[int], after: Any,
                    unique_keys: bool) -> tuple[list[bytes], list[int]]:
-        """The keys and rows as lists, checked (so that nothing changes before the engine, which
-        checks them again, could refuse them)."""
-        if after is not None and not self.engine.gpu:
-            raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
-        key_list = checked_keys(keys)
-        row_list = list(rows.tolist() if hasattr(rows, "tolist") else rows)
-        if len(key_list) != len(row_list):
-            raise ValueError(f"keys has {len(key_list)} entries but rows has {len(row_list)}")
-        limit = self.engine.num_gpu_blocks
-        for position, row in enumerate(row_list):
-            if isinstance(row, bool):
-                raise TypeError(f"rows[{position}] is a bool, not a row index")
-            try:
-                row_list[position] = operator.index(row)
-            except TypeError:
-                raise TypeError(f"rows[{position}] must be an integer, got {type(row).__name__}") from None
-            if not 0 <= row_list[position] < limit:
-                raise ValueError(f"rows[{position}] = {row_list[position]} is out of range [0, {limit})")
-        if len(set(row_list)) != len(row_list):
-            raise ValueError("a row appears twice in one call")
-        if unique_keys and len(set(key_list)) != len(key_list):
-            raise ValueError("a key appears twice in one put")
-        return key_list, row_list
+        return check_keys_and_rows(keys, rows, after, self.engine.gpu, self.engine.num_gpu_blocks, unique_keys)
 
 
 async def _quietly(svc: LoopServices | None, fut: Any) -> None:

@@ -37,9 +37,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from uring_kv._args import capacity_in_blocks
+from uring_kv._args import capacity_in_blocks, check_keys_and_rows
 from uring_kv._loop import CallsUnderWay, LoopServices, current_services
-from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError, UringKVError
+from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError
 from uring_kv.store import BlockStore
 
 
@@ -82,6 +82,7 @@ class StripedBlockStore:
                                    else fingerprint, **engine_options)
                         for position, (path, share) in enumerate(zip(resolved, shares, strict=True))]
         self._svc: LoopServices | None = None
+        self._state = "new"  # then opening, open; closed if opening failed (closing: see _closing)
         self._closing = False
         self._calls = CallsUnderWay()  # puts and gets: aclose() lets them end before it closes a stripe
         self._placing: dict[bytes, list[int]] = {}  # keys puts are placing: [stripe, puts placing it]
@@ -101,13 +102,16 @@ class StripedBlockStore:
     async def open(self) -> StripedBlockStore:
         """Open every stripe (one after the other); if one fails, close those opened and raise."""
         self._svc = current_services()
+        self._state = "opening"
         for position, stripe in enumerate(self.stripes):
             try:
                 await stripe.open()
             except BaseException:
+                self._state = "closed"
                 for opened in self.stripes[:position + 1]:
                     await self._svc.run_to_completion(opened.aclose())
                 raise
+        self._state = "open"
         return self
 
     async def __aenter__(self) -> StripedBlockStore:
@@ -189,7 +193,7 @@ class StripedBlockStore:
     # ----------------------------------------------------------------- transfers (the loop)
     async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> int:
         """:meth:`BlockStore.put`, each key in its stripe, the stripes at once: the keys written."""
-        key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=True)
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=True)
         svc = self._check_open()
         parts = self._place(key_list, row_list)
         self._calls.enter()
@@ -205,7 +209,7 @@ class StripedBlockStore:
 
     async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """:meth:`BlockStore.get`, each key from its stripe, the stripes at once."""
-        key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
         svc = self._check_open()
         parts, missing = self._split(key_list, row_list)
         if missing:
@@ -218,7 +222,7 @@ class StripedBlockStore:
 
     async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
         """:meth:`BlockStore.get_present`, over the stripes at once: the keys loaded, in call order."""
-        key_list, row_list = self.stripes[0]._arguments(keys, rows, after, unique_keys=False)
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
         svc = self._check_open()
         parts, _ = self._split(key_list, row_list)
         self._calls.enter()
@@ -301,12 +305,20 @@ class StripedBlockStore:
             raise KeyIOError(op, {key: failures[key] for key in keys if key in failures}, written)
         return written
 
+    def _arguments(self, keys: Iterable[bytes], rows: Iterable[int], after: Any,
+                   unique_keys: bool) -> tuple[list[bytes], list[int]]:
+        engine = self.stripes[0].engine  # (every stripe's engine has the same caches)
+        return check_keys_and_rows(keys, rows, after, engine.gpu, engine.num_gpu_blocks, unique_keys)
+
     def _check_open(self) -> LoopServices:
+        """The loop's services; EngineClosedError unless open, RuntimeError off its loop's thread
+        (before anything changes: the placements belong to the loop's thread)."""
         if self._closing:
             raise EngineClosedError(f"striped block store is {'closed' if self.closed else 'closing'}")
-        for stripe in self.stripes:
-            stripe._check_open()  # (raises EngineClosedError, or RuntimeError off the loop)
-        if self._svc is None:
-            raise UringKVError("striped store was never opened")
+        if self._state != "open":
+            raise EngineClosedError(f"striped block store is {self._state}")
+        assert self._svc is not None
+        if not self._svc.is_current():
+            raise RuntimeError("uring_kv StripedBlockStore called outside the event loop (and thread) that opened it")
         return self._svc
 
