@@ -94,20 +94,36 @@ class Batches:
         if not batch.enqueued.done():
             batch.enqueued.set_result(event)
 
-    def check(self, batch: Batch) -> None:
-        """Finish ``batch`` once none of its blocks remains: metrics, then its future."""
+    def pump_finished(self, batch: Batch, failures: dict[int, int], started: int, skipped: int, unwaited: int,
+                      settled: bool, event: bool) -> None:
+        """``batch``'s pump has finished: it started ``started`` blocks, ``unwaited`` of them in a
+        slot taken without waiting, and never started ``skipped`` (cancelled); ``failures``: disk
+        block → errno. ``settled``: its copies are all done (a native pump's), so the batch is
+        enqueued, with an event that has fired (GPU: recorded now) where the caller gets one
+        (``event``)."""
+        batch.failures.update(failures)
+        batch.skipped = skipped
+        batch.remaining = batch.to_enqueue = 0
+        if settled:
+            if started and event:
+                batch.last_event = self.copier.settled_event(batch.kind is Kind.STORE)
+            batch.enqueued.set_result(batch.last_event)
+        self.check(batch, unwaited)
+
+    def slot_waited(self, kind: Kind, seconds: float) -> None:
+        """A batch of ``kind`` waited ``seconds`` for a slot (the metrics' slot wait)."""
+        self.metrics[kind].slot_wait_s.observe(seconds)
+
+    def check(self, batch: Batch, unwaited: int = 0) -> None:
+        """Finish ``batch`` once none of its blocks remains: metrics (``unwaited``: blocks that took
+        a slot without waiting), then its future."""
         self.check_enqueued(batch)
         if batch.remaining > 0 or batch.done.done():
             return
         self.active.discard(batch)
-        stats = self.metrics[batch.kind]
         moved = batch.size - len(batch.failures) - batch.skipped
-        stats.batches += 1
-        stats.blocks += moved
-        stats.bytes += moved * self._block_bytes
-        stats.failed_blocks += len(batch.failures)
-        stats.cancelled_blocks += batch.skipped
-        stats.batch_latency_s.observe(time.monotonic() - batch.created)
+        self.metrics[batch.kind].batch_done(moved, moved * self._block_bytes, len(batch.failures), batch.skipped,
+                                            time.monotonic() - batch.created, unwaited)
         if batch.failures:
             batch.done.set_exception(BlockIOError("load" if batch.kind is Kind.LOAD else "store", batch.failures))
         else:

@@ -21,7 +21,7 @@ import errno
 from collections.abc import Mapping
 from typing import Any
 
-from uring_kv._native import bitmap, mark
+from uring_kv._native import bitmap, first_unset, mark
 from uring_kv._staging import Kind
 
 
@@ -94,6 +94,11 @@ class Contents:
         self.failed: dict[int, int] = {}  # disk block → errno of its last store, which failed
         self.sums: dict[int, int] = {}  # disk block → crc32c of its padded bytes (checksum=True)
 
+    def first_unheld(self, disk_c: Any, n: int) -> int:
+        """The first position among the ``n`` blocks of ``disk_c`` (a C int64 array) that holds
+        nothing to trust, or -1 (one C pass)."""
+        return first_unset(disk_c, n, self.stored)
+
     def holds(self, d: int) -> bool:
         return bool(self.stored[d >> 6] >> (d & 63) & 1)
 
@@ -108,6 +113,13 @@ class Contents:
         if failed := self.failed:  # its entries hold for blocks whose bit is clear: drop the rest
             for d in [d for d in failed if self.holds(d)]:
                 del failed[d]
+
+    def store_done(self, disk_c: Any, n: int, failures: Mapping[int, int]) -> None:
+        """A store wrote the first ``n`` blocks of ``disk_c`` (a C int64 array) but ``failures``'
+        (disk block → errno): a failed write leaves no bytes to trust."""
+        self.written(disk_c, n)
+        for d, code in failures.items():
+            self.unstore(d, code)
 
     def adopt(self, sums: Mapping[int, int]) -> None:
         """Trust the bytes of ``sums``' blocks (a previous engine wrote them), each with its crc32c."""

@@ -25,7 +25,7 @@ from uring_kv._copy import Copier
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, NativePumps
 from uring_kv._loop import LoopServices
-from uring_kv._native import PumpsBusy, first_unset
+from uring_kv._native import PumpsBusy
 from uring_kv._plan import Plan
 from uring_kv._pypump import PyPumps
 from uring_kv._staging import Kind, Lease, SlotPool
@@ -194,14 +194,14 @@ class Driver:
             for dep in run.deps.values():
                 if not dep.done():
                     await svc.wait(dep)
-            if kind is Kind.LOAD and run.disk and first_unset(run.disk_c, len(run.disk), self._contents.stored) >= 0:
+            if kind is Kind.LOAD and run.disk and self._contents.first_unheld(run.disk_c, len(run.disk)) >= 0:
                 # checked now: the stores it waited for may have failed
                 await svc.run_steps(self._drop_unstored(run))
             while pump.started < pump.nblocks:
                 if pump.slots == 0:
                     waited = time.monotonic()
                     lease = await pool.acquire(kind)
-                    self.batches.metrics[kind].slot_wait_s.observe(time.monotonic() - waited)
+                    self.batches.slot_waited(kind, time.monotonic() - waited)
                     run.waits += 1
                     lease.hand_to_pump()
                     leases = [lease]  # and whatever else is free for the blocks left, in one hand-over
@@ -273,27 +273,18 @@ class Driver:
         pump.close()
         batch, disk, started = run.batch, run.disk, pump.started
         failures = {disk[position]: code for position, code in pump.failures()}
-        batch.failures.update(failures)
-        batch.skipped = len(disk) - started
-        if batch.kind is Kind.STORE:
-            contents = self._contents
-            contents.written(run.disk_c, started)
-            for d, code in failures.items():  # a failed write leaves no bytes to trust
-                contents.unstore(d, code)
         pending = [dep for dep in run.deps.values() if not dep.done()]
         if pending:  # cancelled before its hazards cleared: a later batch may rely on this order
             self._svc.when_all(pending, bind(self._phase_finished, run))
         else:
             self._phase_finished(run)
-        self.batches.metrics[batch.kind].slot_wait_s.observe(0.0, max(0, started - run.waits))
-        batch.remaining = batch.to_enqueue = 0
-        if not pump.copies_marked:  # every copy is done: an event that has fired (GPU: once recorded)
-            if started and run.handle_event:
-                batch.last_event = self._copier.settled_event(batch.kind is Kind.STORE)
-            batch.enqueued.set_result(batch.last_event)
+        if batch.kind is Kind.STORE:  # (nothing runs in between: whoever waited for the store sees this)
+            self._contents.store_done(run.disk_c, started, failures)
         if run.wake is not None and not run.wake.done():
             run.wake.set_result(None)
-        self.batches.check(batch)
+        # (a native pump's copies are all done: the batch's event is one that has fired)
+        self.batches.pump_finished(batch, failures, started, len(disk) - started, max(0, started - run.waits),
+                                   settled=not pump.copies_marked, event=run.handle_event)
 
     def _phase_finished(self, run: Run) -> None:
         run.phase_done.set_result(None)

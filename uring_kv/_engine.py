@@ -362,7 +362,7 @@ class Engine(OpenClose):
         If cancelled, no further block is started, and the call returns (raising CancelledError)
         only once the blocks already started have finished: after it, the engine no longer touches
         ``gpu_blocks``."""
-        await self._drive(await self._admit(Kind.LOAD, disk_blocks, gpu_blocks, after, True), wait=True)
+        await self._transfer(Kind.LOAD, disk_blocks, gpu_blocks, after, native=True, wait=True)
 
     async def store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int], after: Any = None) -> None:
         """Write ``gpu_blocks`` to ``disk_blocks``; returns once the bytes are in the file.
@@ -373,22 +373,20 @@ class Engine(OpenClose):
 
         Cancellation works as for :meth:`load_batch`: the blocks already started are written (their
         GPU bytes were already copied out) before the CancelledError propagates."""
-        await self._drive(await self._admit(Kind.STORE, disk_blocks, gpu_blocks, after, True), wait=True)
+        await self._transfer(Kind.STORE, disk_blocks, gpu_blocks, after, native=True, wait=True)
 
     async def load_batch_async(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int],
                                after: Any = None) -> TransferHandle:
         """Like :meth:`load_batch` but returns once every copy is enqueued (see :class:`TransferHandle`)."""
         # In GPU mode not in a native pump: its copies count as enqueued only once it is complete,
         # and this form exists to return as soon as the copies are on their stream.
-        return await self._drive(await self._admit(Kind.LOAD, disk_blocks, gpu_blocks, after, not self.gpu),
-                                 wait=False)
+        return await self._transfer(Kind.LOAD, disk_blocks, gpu_blocks, after, native=not self.gpu, wait=False)
 
     async def store_batch_async(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int],
                                 after: Any = None) -> TransferHandle:
         """Like :meth:`store_batch` but returns once every D2H copy is enqueued; awaiting the handle
         waits for the writes."""
-        return await self._drive(await self._admit(Kind.STORE, disk_blocks, gpu_blocks, after, not self.gpu),
-                                 wait=False)
+        return await self._transfer(Kind.STORE, disk_blocks, gpu_blocks, after, native=not self.gpu, wait=False)
 
     def adopt(self, sums: Mapping[int, int]) -> None:
         """Trust disk block ``d`` of a kept file (``keep_file=True``) to hold what an earlier engine
@@ -397,8 +395,8 @@ class Engine(OpenClose):
         the first transfer."""
         if not self.keep_file or not self.checksum:
             raise ValueError("adopt() needs an engine with keep_file=True and checksum=True")
-        if self._state not in ("new", "open") or (self._driver is not None and self._driver.batches.active) \
-                or self._hazards:
+        transferring = self._hazards or (self._driver is not None and self._driver.batches.active)
+        if self._state not in ("new", "open") or transferring:
             raise RuntimeError(f"adopt() is for an engine with no transfer yet (engine is {self._state})")
         for d in sums:
             if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < self.num_disk_blocks:
@@ -412,6 +410,14 @@ class Engine(OpenClose):
         return [contents.sums.get(d) if contents.holds(d) else None for d in disk_blocks]
 
     # ----------------------------------------------------------------- admission
+    async def _transfer(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any, native: bool,
+                        wait: bool) -> TransferHandle:
+        """Admit the call (checked, its hazards registered in call order), then have the driver run
+        it (``wait``: to its end, else until its copies are enqueued)."""
+        run = await self._admit(kind, disk_blocks, gpu_blocks, after, native)
+        assert self._driver is not None
+        return await self._driver.run(run, wait)
+
     # A call's hazards are registered in call order, all of them before any later call's: a load
     # sees exactly the stores called before it. A batch of more than ADMIT_BLOCKS blocks is checked
     # and registered ADMIT_BLOCKS at a time, one piece per loop turn, so no single callback does
@@ -464,10 +470,6 @@ class Engine(OpenClose):
             raise EngineClosedError(f"engine is {self._state}")
         assert self._driver is not None
         return (yield from self._driver.admit(kind, args, native))
-
-    async def _drive(self, run: Run, wait: bool) -> TransferHandle:
-        assert self._driver is not None
-        return await self._driver.run(run, wait)
 
     # ----------------------------------------------------------------- what it shows of itself
     def _gauges(self) -> dict[str, Any]:

@@ -113,8 +113,8 @@ class PyPump:
                  on_progress: Callable[[], None], tracer: Tracer | None) -> None:
         self._kind = kind
         self._write = kind is Kind.STORE
-        self._batch, self._batches, self._svc, self._io, self._copier = batch, kit.batches, kit.services, kit.io, \
-            kit.copier
+        self._batch, self._batches, self._svc = batch, kit.batches, kit.services
+        self._io, self._copier = kit.io, kit.copier
         self._file, self._contents, self._summer = kit.file, kit.contents, kit.summer
         self._disk, self._cache = disk, cache_blocks
         self._waiting, self._step, self._on_progress = kit.waiting, kit.copy_call_blocks, on_progress

@@ -52,6 +52,19 @@ class DirectionMetrics:
     batch_latency_s: Histogram = field(default_factory=Histogram)
     slot_wait_s: Histogram = field(default_factory=Histogram)
 
+    def batch_done(self, blocks: int, nbytes: int, failed: int, cancelled: int, latency_s: float,
+                   unwaited: int) -> None:
+        """A batch ended: ``blocks`` (``nbytes``) moved, ``failed`` and ``cancelled`` blocks, its
+        latency, and ``unwaited`` blocks that took a slot without waiting (a slot wait of 0 each)."""
+        self.batches += 1
+        self.blocks += blocks
+        self.bytes += nbytes
+        self.failed_blocks += failed
+        self.cancelled_blocks += cancelled
+        self.batch_latency_s.observe(latency_s)
+        if unwaited:
+            self.slot_wait_s.observe(0.0, unwaited)
+
     def snapshot(self) -> dict[str, Any]:
         return {"bytes": self.bytes, "blocks": self.blocks, "failed_blocks": self.failed_blocks,
                 "cancelled_blocks": self.cancelled_blocks, "batches": self.batches,
