@@ -115,6 +115,11 @@ class OpsInFlight:
         check_result(res, length, f"{'write' if write else 'read'} of {length} bytes at offset {offset}")
         return res
 
+    description: str  # the backend's, in words
+
+    def stats(self) -> dict[str, Any]:
+        return {"io": self.description, "fixed_buffers": self.fixed_buffers}
+
     def submit(self, ops: Sequence[Op]) -> None:
         raise NotImplementedError
 

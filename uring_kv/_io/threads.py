@@ -8,7 +8,6 @@ import errno
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from uring_kv._io.base import Op, OpsInFlight
 from uring_kv._loop import LoopServices, current_services
@@ -27,9 +26,6 @@ class ThreadBackend(OpsInFlight):
         self.reason = reason
         self.description = f"thread pool ({workers} threads{', ' + reason if reason else ''})"
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="uring-kv-io")
-
-    def stats(self) -> dict[str, Any]:
-        return {"io": self.description, "fixed_buffers": self.fixed_buffers}
 
     def submit(self, ops: Sequence[Op]) -> None:
         self.inflight += len(ops)

@@ -134,9 +134,6 @@ class UringBackend(OpsInFlight):
         ring.reap_budget_ns = tuning.reap_budget_us * 1000
         ring.pump_depth(self._capacity)  # pumps whose slots outnumber the depth park the rest
 
-    def stats(self) -> dict[str, Any]:
-        return {"io": self.description, "fixed_buffers": self.fixed_buffers}
-
     def pumps(self, fd: int, stride: int, blocks: BlockCopier, waiting: Any, max_slots: int, inline: bool,
               scatter: bool, copies: PumpCopies | None) -> NativePumps:
         """Native pumps on this ring for one engine's batches, with what they all share: the file
