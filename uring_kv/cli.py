@@ -283,11 +283,11 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
             io.close()
 
     stats: dict[str, Any] | None = None
+    no_file = None
     try:
         stats = asyncio.run(probe_engine())
-    except OSError as exc:
-        facts["O_DIRECT"] = f"cannot create a block file in {directory}: {exc}"
-        problem = facts["O_DIRECT"]
+    except OSError as exc:  # the block file: the I/O path is probed alone below
+        no_file = f"cannot create a block file in {directory}: {exc}"
     except Exception as exc:
         facts["io"] = f"unavailable: {exc}"
         problem = str(exc)
@@ -298,12 +298,14 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
         facts["alignment"] = stats["alignment"]
         facts[f"plan (CPU, {INFO_BLOCK_BYTES >> 10} KiB blocks, {INFO_SLOTS} slots)"] = ", ".join(
             f"{k}={v}" for k, v in stats["plan"].items())
-    elif "io" not in facts:
+    elif no_file is not None:
         try:
             facts["io"] = asyncio.run(probe_io())
         except Exception as exc:
             facts["io"] = f"unavailable: {exc}"
-            problem = problem or str(exc)
+            problem = str(exc)
+        facts["O_DIRECT"] = no_file
+        problem = problem or no_file
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     facts["RLIMIT_MEMLOCK"] = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
     facts["torch"] = torch.__version__
