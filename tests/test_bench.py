@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import rich.console
 import torch
-from conftest import mounted_tmpfs
+from tmpfs import mounted_tmpfs
 
 from uring_kv import Engine
 from uring_kv.bench.config import BenchConfig, staging_slots

@@ -163,7 +163,8 @@ class Engine(Observed, OpenClose):
     def _open_file(self, prepare: Callable[[], None] | None) -> BlockFile:
         """On a worker thread: create the file and, in GPU mode, build the staged-copy kernel (the
         NVRTC compile would otherwise stall the loop the first time an engine opens on a device)."""
-        file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct, self.keep_file)
+        file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct, self.keep_file,
+                         reserve=self.tuning.reserve_space)
         if prepare is not None:
             with contextlib.suppress(Exception):  # tried again by the copier, which says what failed
                 prepare()

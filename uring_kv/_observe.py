@@ -57,7 +57,9 @@ class Observed:
         (``huge_pages``), event loop, and whether pumped loads read straight
         into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned), and the
         :class:`Tuning` in force (``tuning``, a dict). ``direct_reason``: why the file is buffered
-        ('' under O_DIRECT); ``stride``: bytes a block takes in the file (block ``d`` at ``d * stride``)."""
+        ('' under O_DIRECT); ``stride``: bytes a block takes in the file (block ``d`` at ``d * stride``);
+        ``reserved``: whether the whole file was allocated at open (``Tuning.reserve_space``), and
+        ``reserve_reason`` why not ('' when it was)."""
         return {
             **self._gauges(),
             "active_batches": len(self._batches.active),
@@ -67,6 +69,8 @@ class Observed:
             "direct": self.file.direct,
             "direct_reason": self.file.reason,
             "file": self.file.naming,
+            "reserved": self.file.reserved,
+            "reserve_reason": self.file.reserve_reason,
             "stride": self.file.stride,
             "fixed_buffers": self.io.fixed_buffers,
             "pinned_bytes": self.pool.slab.size,
