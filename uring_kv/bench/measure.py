@@ -97,9 +97,10 @@ def to_row(work: Workload, op: str, case: str, method: str, tally: Tally) -> Row
     """A method's row from its tally: rates over the measured batches, latency percentiles, lag."""
     moved = len(tally.latencies) * work.config.batch
     elapsed = sum(tally.latencies)
+    gigabytes = moved * work.block_bytes / 1e9
     return Row(op, case, work.block_bytes, method, kind_of(method), moved * work.block_bytes / elapsed / 1e9,
                moved / elapsed, percentile(tally.latencies, 0.5) * 1e3, percentile(tally.latencies, 0.99) * 1e3,
                tally.cpu_s, max(tally.lag, default=0.0) * 1e3, percentile(tally.lag, 0.99) * 1e3, tally.verified,
                max(tally.timer_lag, default=0.0) * 1e3, percentile(tally.timer_lag, 0.99) * 1e3,
                [round(x * 1e3, 3) for x in tally.latencies], lag_samples=len(tally.lag),
-               lag_ms=[x * 1e3 for x in tally.lag])
+               lag_ms=[x * 1e3 for x in tally.lag], core_s_per_gb=tally.cpu_s / gigabytes if gigabytes else 0.0)

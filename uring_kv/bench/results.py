@@ -22,7 +22,7 @@ class Row:
     blocks_per_s: float
     p50_ms: float
     p99_ms: float
-    cpu_s: float
+    cpu_s: float  # the process's CPU time (every thread) over the measured batches
     lag_max_ms: float
     lag_p99_ms: float
     verified: bool
@@ -31,6 +31,7 @@ class Row:
     batch_ms: list[float] = field(default_factory=list)  # every measured batch, in order
     ratios: dict[str, float] = field(default_factory=dict)
     lag_samples: int = 0  # probe samples behind lag_max_ms / lag_p99_ms (1 per ms of the row's batches)
+    core_s_per_gb: float = 0.0  # cpu_s per GB moved (0: not measured in this process, e.g. fio)
     lag_ms: list[float] = field(default_factory=list, repr=False)  # those samples (pooled per run, not in the JSON)
 
 
