@@ -332,7 +332,7 @@ def test_enospc_makes_the_chunks_that_did_not_fit_misses(tmp_path: Path, adapter
     adapter opened: the chunks past that fail with ENOSPC, their task fails and they stay misses;
     those that fit load back byte for byte."""
     with mounted_tmpfs(tmp_path / "tiny", "size=8m") as mount:
-        adapter = build(spec(mount, capacity_chunks=256, rows="staging"))
+        adapter = build(spec(mount, capacity_chunks=256, rows="staging", block_bytes=CHUNK))  # opens now
         adapters.append(adapter)
         take_space(mount, leave=1 << 20)
         d = Driver(adapter)
@@ -349,12 +349,18 @@ def test_enospc_makes_the_chunks_that_did_not_fit_misses(tmp_path: Path, adapter
         adapter.close()
 
 
-def test_a_capacity_beyond_the_free_space_is_refused_when_the_adapter_is_built(tmp_path: Path) -> None:
-    """The store's one-line refusal reaches whoever builds the adapter; nothing is left behind."""
+@pytest.mark.parametrize("block_bytes", [None, CHUNK], ids=["opened-at-the-first-chunk", "opened-now"])
+def test_a_capacity_beyond_the_free_space_is_refused_when_the_adapter_is_built(tmp_path: Path,
+                                                                                block_bytes: int | None) -> None:
+    """A capacity the disk has no room for is refused in one line when LMCache builds the adapter
+    (the store's own refusal where the block size is known, so the store opens now; else the
+    capacity against the room); nothing is left behind."""
+    says = (r"num_disk_blocks=256: a file of 256 × 16384 bytes \(4 MiB\)" if block_bytes else
+            r"UringKVL2Adapter: capacity_bytes=4194304 \(4 MiB in .*/small\)")
     with mounted_tmpfs(tmp_path / "small", "size=2m") as mount:
-        with pytest.raises(ValueError, match=r"num_disk_blocks=256: a file of 256 × 16384 bytes \(4 MiB\) does not "
-                                             r"fit in the 2 MiB free on the filesystem of .*/small$"):
-            build(spec(mount, capacity_chunks=256))
+        params = {"block_bytes": block_bytes} if block_bytes else {}
+        with pytest.raises(ValueError, match=f"^{says} does not fit in the 2 MiB free on the filesystem of .*/small$"):
+            build(spec(mount, capacity_chunks=256, **params))
         assert os.listdir(mount) == []
 
 

@@ -77,8 +77,8 @@ async def test_a_persistent_store_grown_beyond_the_free_space_keeps_its_file_and
     size = path.stat().st_size
     take_space(small_fs, leave=256 << 10)
     grown = BlockStore(rows, path, 64, 2, persistent=True, fsync=False)  # 512 KiB more, 256 KiB free
-    with pytest.raises(ValueError, match=r"num_disk_blocks=64: a file of 64 × 16384 bytes \(1 MiB\) needs 512 KiB "
-                                         r"more than its 512 KiB, and the filesystem of .*/small has .* free$"):
+    with pytest.raises(ValueError, match=r"num_disk_blocks=64: the file's growth from 512 KiB to 1 MiB \(64 × 16384 "
+                                         r"bytes\) does not fit in the .* free on the filesystem of .*/small$"):
         await grown.open()
     assert path.stat().st_size == size
     async with BlockStore(rows, path, 32, 2, persistent=True, fsync=False) as store:
@@ -135,7 +135,7 @@ async def test_space_taken_between_the_check_and_the_reservation_is_refused(
         small_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process fills the disk between the free-space check and the fallocate: one line,
     nothing left."""
-    monkeypatch.setattr(file_module, "free_bytes", lambda fd: 1 << 40)
+    monkeypatch.setattr(file_module, "free_bytes", lambda fd, close=False: 1 << 40)
     engine = Engine(caches(), small_fs / "kv.bin", 256, num_slots=2, tuning=Tuning(reserve_space=True))
     with pytest.raises(ValueError, match=r"num_disk_blocks=256: reserving 4 MiB for the file in .*/small failed: "
                                          r"the filesystem is full \(ENOSPC\)$"):

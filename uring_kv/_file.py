@@ -61,14 +61,28 @@ def _probe_io(fd: int, buf: HostBuffer, length: int) -> None:
         raise OSError(errno.EIO, "O_DIRECT probe read back different bytes")
 
 
-def free_bytes(fd: int) -> int | None:
+def free_bytes(fd: int, close: bool = False) -> int | None:
     """The bytes this user may still allocate on ``fd``'s filesystem, or None where the filesystem
-    reports no size at all (its ``f_blocks`` is 0, as some virtual ones do): nothing to check."""
-    st = os.fstatvfs(fd)
+    reports no size at all (its ``f_blocks`` is 0, as some virtual ones do): nothing to check.
+    ``close``: close ``fd`` afterwards."""
+    try:
+        st = os.fstatvfs(fd)
+    finally:
+        if close:
+            os.close(fd)
     return st.f_bavail * st.f_frsize if st.f_blocks else None
 
 
-def _size(nbytes: int) -> str:
+def refuse_beyond_free_space(what: str, needed: int, directory: str, fd: int | None = None) -> None:
+    """Raise ValueError, one line, where ``needed`` bytes exceed the free space of the filesystem
+    holding ``directory`` (``fd``, an open file there, when there is one): "``what`` does not fit in
+    the N free on the filesystem of ``directory``"."""
+    free = free_bytes(os.open(directory, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd, close=fd is None)
+    if free is not None and needed > free:
+        raise ValueError(f"{what} does not fit in the {size_text(free)} free on the filesystem of {directory}")
+
+
+def size_text(nbytes: int) -> str:
     """``nbytes`` in the largest binary unit it fills, e.g. '4 TiB', '71.5 GiB', '512 bytes'."""
     for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
         if nbytes >= 1 << shift:
@@ -163,16 +177,13 @@ class BlockFile:
         """Refuse a file whose growth from ``was`` bytes to ``size`` exceeds the filesystem's free
         space (a kept file that does not grow was checked when it was sized: reopening it after the
         disk filled up still serves what it holds)."""
-        needed = size - was
-        free = free_bytes(self.fd) if needed > 0 else None
-        if free is None or needed <= free:
+        if size <= was:
             return
-        what = f"num_disk_blocks={self.num_blocks}: a file of {self.num_blocks} × {self.stride} bytes ({_size(size)})"
-        where = f"the filesystem of {os.path.dirname(self.path)}"
-        if was:
-            raise ValueError(f"{what} needs {_size(needed)} more than its {_size(was)}, and {where} has "
-                             f"{_size(free)} free")
-        raise ValueError(f"{what} does not fit in the {_size(free)} free on {where}")
+        shape = f"{self.num_blocks} × {self.stride} bytes"
+        what = (f"the file's growth from {size_text(was)} to {size_text(size)} ({shape})" if was else
+                f"a file of {shape} ({size_text(size)})")
+        what = f"num_disk_blocks={self.num_blocks}: {what}"
+        refuse_beyond_free_space(what, size - was, os.path.dirname(self.path), self.fd)
 
     def _reserve(self, size: int) -> tuple[bool, str]:
         """Allocate the whole file now: (True, '') or, where the filesystem cannot, (False, why)."""
@@ -180,7 +191,7 @@ class BlockFile:
             _fallocate(self.fd, size)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:  # taken by another process since the check
-                raise ValueError(f"num_disk_blocks={self.num_blocks}: reserving {_size(size)} for the file in "
+                raise ValueError(f"num_disk_blocks={self.num_blocks}: reserving {size_text(size)} for the file in "
                                  f"{os.path.dirname(self.path)} failed: the filesystem is full (ENOSPC)") from None
             if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 return False, f"the filesystem cannot reserve space ({errno.errorcode[exc.errno]})"
