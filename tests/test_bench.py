@@ -521,9 +521,9 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
     calls: list[tuple[str, list[int]]] = []
 
     def method(name: str) -> Any:
-        async def run(store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+        async def run(store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
             calls.append((name, disk_blocks))
-            return float(len(calls) - 1)  # "seconds": the call's position
+            return float(len(calls) - 1), 0.0  # "seconds": the call's position
 
         return run
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,12 @@ class BatchRow:
         total = sum(times)
         return cls(method, block_bytes, blocks * block_bytes / total / 1e9 if total else 0.0,
                    percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3, len(times), verified, **extra)
+
+
+def process_cpu_seconds() -> float:
+    """User and system CPU seconds of the whole process so far (every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -140,7 +140,7 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
             methods[kvikio.name] = functools.partial(_in_thread, kvikio.run)
     if "ceiling" in config.peers:
         ceiling = closing.add(ceilings.RingCeiling(fd, stride, engine.io_depth))
-        methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run)
+        methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run_measured)
 
 
 def _reopenable(fd: int) -> str:
@@ -154,8 +154,8 @@ async def _in_thread(run: Callable[[bool, list[int], list[int]], None], store: b
     await asyncio.to_thread(run, store, disk_blocks, gpu_blocks)
 
 
-async def _in_thread_timed(run: Callable[[bool, list[int], list[int]], float], store: bool,
-                           disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+async def _in_thread_timed(run: Callable[[bool, list[int], list[int]], tuple[float, float]], store: bool,
+                           disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
     return await asyncio.to_thread(run, store, disk_blocks, gpu_blocks)
 
 
