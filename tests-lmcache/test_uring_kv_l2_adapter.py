@@ -29,6 +29,7 @@ from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd
+from tmpfs import mounted_tmpfs, take_space
 
 from uring_kv.integrations.lmcache import UringKVL2Adapter, UringKVL2AdapterConfig
 
@@ -290,7 +291,6 @@ def fault_mount(tmp_path: Path) -> Any:
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         pytest.skip("needs root and /dev/fuse for the fault filesystem")
     pytest.importorskip("mfusepy")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from faultfs import mounted
 
     mount = tmp_path / "faulty"
@@ -328,19 +328,13 @@ def test_eio_from_the_disk_turns_stores_and_loads_into_misses(tmp_path: Path,
 
 
 def test_enospc_makes_the_chunks_that_did_not_fit_misses(tmp_path: Path, adapters: list[UringKVL2Adapter]) -> None:
-    """A 1 MiB tmpfs under a capacity of 4 MiB: the chunks past the filesystem's end fail with
-    ENOSPC, their task fails and they stay misses; those that fit load back byte for byte."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        adapter = build(spec(mount, capacity_chunks=256, rows="staging"))
+    """A capacity of 4 MiB on a tmpfs that another file fills up to its last 1 MiB after the
+    adapter opened: the chunks past that fail with ENOSPC, their task fails and they stay misses;
+    those that fit load back byte for byte."""
+    with mounted_tmpfs(tmp_path / "tiny", "size=8m") as mount:
+        adapter = build(spec(mount, capacity_chunks=256, rows="staging", block_bytes=CHUNK))  # opens now
         adapters.append(adapter)
+        take_space(mount, leave=1 << 20)
         d = Driver(adapter)
         src = standalone(96)  # 1.5 MiB
         data = fill(src, 9)
@@ -353,8 +347,21 @@ def test_enospc_makes_the_chunks_that_did_not_fit_misses(tmp_path: Path, adapter
         assert d.load([keys[i] for i in held], dst) == [True] * len(held)
         assert [bytes(o.byte_array) for o in dst] == [data[i] for i in held]
         adapter.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("block_bytes", [None, CHUNK], ids=["opened-at-the-first-chunk", "opened-now"])
+def test_a_capacity_beyond_the_free_space_is_refused_when_the_adapter_is_built(tmp_path: Path,
+                                                                                block_bytes: int | None) -> None:
+    """A capacity the disk has no room for is refused in one line when LMCache builds the adapter
+    (the store's own refusal where the block size is known, so the store opens now; else the
+    capacity against the room); nothing is left behind."""
+    says = (r"num_disk_blocks=256: a file of 256 × 16384 bytes \(4 MiB\)" if block_bytes else
+            r"UringKVL2Adapter: capacity_bytes=4194304 \(4 MiB in .*/small\)")
+    with mounted_tmpfs(tmp_path / "small", "size=2m") as mount:
+        params = {"block_bytes": block_bytes} if block_bytes else {}
+        with pytest.raises(ValueError, match=f"^{says} does not fit in the 2 MiB free on the filesystem of .*/small$"):
+            build(spec(mount, capacity_chunks=256, **params))
+        assert os.listdir(mount) == []
 
 
 def test_close_with_tasks_in_flight_reports_each_once_and_leaves_nothing(

@@ -23,6 +23,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+from tmpfs import mounted_tmpfs
 
 from uring_kv.integrations.sglang import UringKVHiCacheStorage
 
@@ -120,6 +121,16 @@ def backend(tmp_path: Path, pool: HostPool) -> Iterator[UringKVHiCacheStorage]:
     b = make(tmp_path, pool)
     yield b
     b.close()
+
+
+def test_a_capacity_beyond_the_free_space_is_refused_when_the_backend_is_attached(tmp_path: Path,
+                                                                                  pool: HostPool) -> None:
+    """The store's one-line refusal reaches SGLang's factory; nothing is left behind."""
+    with mounted_tmpfs(tmp_path / "small", "size=2m") as mount:
+        with pytest.raises(ValueError, match=r"num_disk_blocks=\d+: a file of .* \(4 MiB\) does not fit in the "
+                                             r"2 MiB free on the filesystem of .*/small$"):
+            make(mount, pool, capacity_pages=(4 << 20) // PAGE_BYTES)
+        assert os.listdir(mount) == []
 
 
 def test_the_stand_in_pool_has_sglangs_layout() -> None:

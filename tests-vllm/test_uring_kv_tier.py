@@ -289,24 +289,23 @@ def test_two_jobs_storing_the_same_new_key_count_its_bytes_once(run: Run) -> Non
 
 
 def test_a_failed_store_is_never_a_hit(tmp_path: Path) -> None:
-    """ENOSPC from a 1 MiB tmpfs under a tier allowed 4 MiB: the stores that did not fit report
-    failure and their keys stay misses; the ones that fit promote byte-identical."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    """ENOSPC from a tmpfs that another file fills up to its last 1 MiB after the tier (allowed
+    4 MiB) opened: the stores that did not fit report failure and their keys stay misses; the ones
+    that fit promote byte-identical."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tmpfs import mounted_tmpfs, take_space
+
+    with mounted_tmpfs(tmp_path / "tiny", "size=8m") as mount:
         r = Run(mount, primary_rows=8, capacity_rows=256, direct=False)
         try:
+            take_space(mount, leave=1 << 20)
             failures = 0
             for n in range(0, 160, 8):
                 r.store(f"w{n}", keys(*range(n, n + 8)))
             failures = r.tier.stats()["store_failures"]
-            assert failures > 0, "a 1 MiB tmpfs should have run out of space"
+            assert failures > 0, "a tmpfs with 1 MiB left should have run out of space"
             ctx = ReqContext(req_id="q")
             held = [k for k in keys(*range(160)) if r.tier.lookup(k, ctx) is LookupResult.HIT]
             assert 0 < len(held) <= (1 << 20) // ROW and len(held) == 160 - failures
@@ -317,9 +316,20 @@ def test_a_failed_store_is_never_a_hit(tmp_path: Path) -> None:
                 assert np.array_equal(got, r.stored[k])
         finally:
             r.close()
-    finally:
-        if subprocess.run(["umount", str(mount)]).returncode:
-            subprocess.run(["umount", "-l", str(mount)], check=True)  # never leave a mount behind
+
+
+def test_a_capacity_beyond_the_free_space_is_refused_when_vllm_builds_the_tier(tmp_path: Path) -> None:
+    """The store's one-line refusal reaches vLLM's tier factory; nothing is left behind."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tmpfs import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "small", "size=2m") as mount:
+        with pytest.raises(ValueError, match=r"num_disk_blocks=\d+: a file of .* \(4 MiB\) does not fit in the "
+                                             r"2 MiB free on the filesystem of .*/small$"):
+            Run(mount, primary_rows=8, capacity_rows=(4 << 20) // ROW, direct=False)
+        assert os.listdir(mount) == []
 
 
 def test_eio_from_the_disk_turns_stores_and_promotions_into_misses(tmp_path: Path) -> None:

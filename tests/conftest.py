@@ -9,7 +9,6 @@ import logging
 import os
 import platform
 import random
-import subprocess
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import sniffio
 import torch
 from faultfs import FaultState, mounted
+from tmpfs import mounted_tmpfs
 
 import uring_kv
 from uring_kv import Engine
@@ -171,27 +171,11 @@ def random_caches(device: str, layers: int = 4, blocks: int = 32, shape: tuple[i
     return {f"layer{i}": torch.randn(blocks, *shape, generator=gen).to(dtype).to(device) for i in range(layers)}
 
 
-@contextlib.contextmanager
-def mounted_tmpfs(mountpoint: Path, options: str = "size=1m") -> Iterator[Path]:
-    """A tmpfs mounted (with ``options``) at ``mountpoint``, made here, for the block; the test is
-    skipped, with the reason, where it cannot be mounted (not root, no mount rights)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mountpoint)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
-
-
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs (ENOSPC after 1 MiB) at ``tmp_path / "tiny"``."""
-    with mounted_tmpfs(tmp_path / "tiny") as mountpoint:
+    """An 8 MiB tmpfs at ``tmp_path / "tiny"``: room for a test's block file at open, then
+    :func:`take_space` leaves it as little as the test wants (ENOSPC after that)."""
+    with mounted_tmpfs(tmp_path / "tiny", "size=8m") as mountpoint:
         yield mountpoint
 
 

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import rich.console
 import torch
-from conftest import mounted_tmpfs
+from tmpfs import mounted_tmpfs
 
 from uring_kv import Engine
 from uring_kv.bench.config import BenchConfig, staging_slots
 from uring_kv.bench.report import render
+from uring_kv.bench.run import filesystem_of
 from uring_kv.bench.workload import Workload
 from uring_kv.cli import main
 
@@ -75,9 +76,27 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
         assert pooled["samples"] == sum(r["lag_samples"] for r in own) > 0, key
         assert pooled["max_ms"] == pytest.approx(max(r["lag_max_ms"] for r in own), abs=1e-3), key
         assert pooled["p50_ms"] <= pooled["p99_ms"] <= pooled["max_ms"], key
+    for row in rows:  # the process's CPU per GB moved, where it ran in this process
+        assert (row["core_s_per_gb"] > 0) == (row["method"] not in ("fio", "pcie ceiling"))
+        if row["core_s_per_gb"]:
+            gigabytes = len(row["batch_ms"]) * 16 * (64 << 10) / 1e9  # --batch 16 of 64 KiB
+            assert row["core_s_per_gb"] == pytest.approx(row["cpu_s"] / gigabytes)
+    # the same run on a RAM-backed file, beside the disk's (where /dev/shm is a tmpfs with room)
+    ram = result.get("ram")
+    if ram is None:
+        assert result["ram_skipped"].startswith("left out")
+    else:
+        assert ram["filesystem"] in ("tmpfs", "ramfs") and ram["path"] == os.path.realpath("/dev/shm")
+        assert ram["all_verified"] is True
+        assert {(r["op"], r["case"], r["method"]) for r in ram["rows"]} == seen
+        assert "depth_sweep" not in ram["extra"][str(64 << 10)]  # the sizing advice is the disk's
+        assert not list(Path("/dev/shm").glob(f"uring-kv-bench-{os.getpid()}-*"))
     assert plot.stat().st_size > 0
     assert not list(tmp_path.glob("uring-kv-bench-*")), "the bench left a block file behind"
     printed = capsys.readouterr().out
+    if ram is not None:
+        disk_part, ram_part = printed.split("RAM-backed file: the same run with the disk out of the way")
+        assert "of disk limit" in disk_part and "of ring limit" in ram_part and "file in /dev/shm (tmpfs" in ram_part
     assert "verified: all" in printed
     assert "sizing: I/O depth" in printed and "Engine(..., num_slots=" in printed
     for key, note in extra["notes"].items():
@@ -251,6 +270,22 @@ def test_bench_runs_only_the_peers_asked_for(tmp_path: Path, capsys: pytest.Capt
     result = json.loads(out.read_text())
     assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv"}
     assert result["idle_loop_lag"]["samples"] == 0
+
+
+def test_the_ram_backed_run_is_left_out_when_asked_or_when_the_file_is_in_ram_already(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    small = ["--size", "2M", "--block-size", "64K", "--layers", "4", "--batch", "8", "--batches", "1",
+             "--io-depth", "4", "--direct", "--peers", "none", "--json", str(out)]
+    assert main(["bench", "--path", str(tmp_path), "--no-ram", *small]) == 0
+    result = json.loads(out.read_text())
+    assert "ram" not in result and result["ram_skipped"] == "left out (--no-ram)"
+    assert "RAM-backed run: left out (--no-ram)" in capsys.readouterr().out
+    if filesystem_of("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    assert main(["bench", "--path", "/dev/shm", *small]) == 0
+    result = json.loads(out.read_text())
+    assert "ram" not in result and result["ram_skipped"].startswith("left out: the file is already in RAM")
 
 
 @pytest.mark.parametrize("store", [False, True])
@@ -486,9 +521,9 @@ async def test_bench_order_tool_replays_the_order_the_bench_ran() -> None:
     calls: list[tuple[str, list[int]]] = []
 
     def method(name: str) -> Any:
-        async def run(store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+        async def run(store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
             calls.append((name, disk_blocks))
-            return float(len(calls) - 1)  # "seconds": the call's position
+            return float(len(calls) - 1), 0.0  # "seconds": the call's position
 
         return run
 

@@ -380,9 +380,9 @@ async def test_cancelled_open_leaves_no_file(make_engine: EngineFactory, monkeyp
 
     real = BlockFile
 
-    def slow_block_file(*args: Any) -> Any:
+    def slow_block_file(*args: Any, **kwargs: Any) -> Any:
         time.sleep(0.05)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "BlockFile", slow_block_file)
     engine = make_engine(id_caches("cpu", blocks=2), 2, num_slots=1)

@@ -15,6 +15,7 @@ import torch
 from aio import settle, task_group
 from conftest import EngineFactory, reported_errors
 from faultfs import FaultState
+from tmpfs import take_space
 
 from uring_kv import BlockIOError, Engine, _pypump
 from uring_kv.testing import block_file, content, fill, id_caches, identify, store_identity
@@ -70,6 +71,7 @@ async def test_enospc_raises_and_stored_blocks_survive(tiny_tmpfs: Path, make_en
     caches = id_caches("cpu", layers=64, blocks=8)  # 64 layers × 244 bytes: 16 KiB blocks after padding
     engine = make_engine(caches, 256, num_slots=4, path=tiny_tmpfs / "kv.bin")
     async with engine:
+        take_space(tiny_tmpfs, leave=1 << 20)  # room for 64 of the 256 blocks
         stored: list[int] = []
         failed: dict[int, int] = {}
         for first in range(0, 256, 8):
@@ -82,7 +84,7 @@ async def test_enospc_raises_and_stored_blocks_survive(tiny_tmpfs: Path, make_en
             except BlockIOError as exc:
                 failed.update(exc.failures)
                 stored.extend(d for d in disk_blocks if d not in exc.failures)
-        assert failed, "a 1 MiB tmpfs should have run out of space"
+        assert failed, "a tmpfs with 1 MiB left should have run out of space"
         assert set(failed.values()) == {errno.ENOSPC}
         assert len(stored) >= 8
         for first in range(0, len(stored), 8):
@@ -123,20 +125,12 @@ async def test_a_load_called_during_a_store_that_fails_raises_instead_of_stale_b
 @needs_root
 async def test_a_load_called_during_a_first_store_that_runs_out_of_space_raises(
         tiny_tmpfs: Path, make_engine: EngineFactory) -> None:
-    """The same on a full 1 MiB tmpfs: the first store of a block fails with ENOSPC while a load
+    """The same on a full tmpfs: the first store of a block fails with ENOSPC while a load
     of it waits; the load raises ENOSPC (it used to return zeros with no error)."""
     caches = id_caches("cpu", layers=64, blocks=8)
     engine = make_engine(caches, 256, num_slots=4, path=tiny_tmpfs / "kv.bin", direct=False)
     async with engine:
-        filler = tiny_tmpfs / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:  # take every page the tmpfs has
-            while os.write(fd, b"\1" * 4096):
-                pass
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        filler = take_space(tiny_tmpfs)  # every page the tmpfs has
         fill(caches, 0, 3, 1)
         async with task_group() as tasks:
             store = tasks.spawn(engine.store_batch, [0], [3])

@@ -33,6 +33,23 @@ def test_created_0600_sized_and_nameless(tmp_path: Path) -> None:
     assert f.closed
 
 
+@pytest.mark.parametrize("umask", [0o277, 0o777], ids=["0277", "0777"])
+@pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "mkstemp"])
+def test_the_unnamed_file_is_0600_under_a_narrow_umask(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      umask: int, tmpfile: bool) -> None:
+    """A narrow umask must not narrow it either: 0400 or 0000 would leave the owner unable to
+    write it through a second open (e.g. /proc/self/fd)."""
+    if not tmpfile:
+        monkeypatch.setattr(os, "open", _no_tmpfile(os.open))
+    old = os.umask(umask)
+    try:
+        f = BlockFile(tmp_path / "kv.bin", 4096, 4)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.fstat(f.fd).st_mode) == 0o600
+    f.close()
+
+
 def test_an_existing_file_at_the_path_is_left_alone(tmp_path: Path) -> None:
     path = tmp_path / "kv.bin"
     path.write_bytes(b"someone else's data")

@@ -20,6 +20,7 @@ import torch
 from aio import settle, task_group
 from conftest import BOTH_BACKENDS, random_caches, reported_errors
 from faultfs import FaultState
+from tmpfs import take_space
 
 from uring_kv import BlockStore, EngineClosedError, KeyIOError, KeyMissingError
 from uring_kv.errors import NO_ROOM
@@ -464,10 +465,11 @@ async def test_eio_on_read_drops_the_key(fault_fs: tuple[Path, FaultState], make
 
 
 async def test_enospc_makes_the_keys_that_did_not_fit_misses(tiny_tmpfs: Path, make_store: StoreFactory) -> None:
-    """A 4 MiB store on a 1 MiB tmpfs: the puts that run out of space name their keys with ENOSPC,
-    those keys are misses, and every key that did land reads back intact."""
+    """A 4 MiB store on a tmpfs left with 1 MiB: the puts that run out of space name their keys
+    with ENOSPC, those keys are misses, and every key that did land reads back intact."""
     caches = id_caches("cpu", layers=64, blocks=16)  # 64 layers × 244 bytes: 16 KiB blocks after padding
     async with make_store(caches, 256, path=tiny_tmpfs / "kv.bin") as store:
+        take_space(tiny_tmpfs, leave=1 << 20)
         failed: dict[bytes, int] = {}
         for first in range(0, 256, 8):
             ids = list(range(first, first + 8))

@@ -172,7 +172,8 @@ class Engine(OpenClose):
     def _open_file(self, prepare: Callable[[], None] | None) -> BlockFile:
         """On a worker thread: create the file and, in GPU mode, build the staged-copy kernel (the
         NVRTC compile would otherwise stall the loop the first time an engine opens on a device)."""
-        file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct, self.keep_file)
+        file = BlockFile(self.path, self.block_bytes, self.num_disk_blocks, self._direct, self.keep_file,
+                         reserve=self.tuning.reserve_space)
         if prepare is not None:
             with contextlib.suppress(Exception):  # tried again by the copier, which says what failed
                 prepare()
@@ -497,7 +498,8 @@ class Engine(OpenClose):
         :class:`Tuning` in force (``tuning``, a dict) and the plan made from it at ``open()``
         (``plan``, a dict: every choice of the data path, see ``docs/design.md``). ``direct_reason``:
         why the file is buffered ('' under O_DIRECT); ``stride``: bytes a block takes in the file
-        (block ``d`` at ``d * stride``). Once open."""
+        (block ``d`` at ``d * stride``); ``reserved``: whether the whole file was allocated at open
+        (``Tuning.reserve_space``), and ``reserve_reason`` why not ('' when it was). Once open."""
         driver, plan = self._driver, self.plan
         if driver is None or plan is None:
             raise RuntimeError(f"uring_kv Engine for {self.path}: stats() once open() has run")

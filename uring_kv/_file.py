@@ -14,6 +14,13 @@ symlink), owned by this process's user, with no access for group or others; it i
 locked with ``flock`` against a second process, and never shrunk (its bytes are blocks someone may
 still index).
 
+Space: ``open`` refuses a file the filesystem has no room for (its size, or a kept file's growth,
+against the free space ``statvfs`` reports to this user), one line naming the size, the free space
+and the directory, instead of serving for an hour and then failing store after store with ENOSPC.
+The file is sparse: other files on the filesystem can still take the room later, unless
+``reserve=True`` allocates every block now (``fallocate``); a filesystem that cannot reserve
+(``reserved`` False, ``reserve_reason`` why) is used unreserved.
+
 O_DIRECT is probed with a real aligned write and read (on a scratch unnamed file beside a kept
 file, whose bytes must not be touched): some filesystems accept the flag at ``open`` and fail the
 first I/O (overlayfs, FUSE, some NFS). This module does blocking syscalls: call it off the event
@@ -23,6 +30,8 @@ loop (the engine uses ``to_thread``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import os
@@ -52,6 +61,51 @@ def _probe_io(fd: int, buf: HostBuffer, length: int) -> None:
         raise OSError(errno.EIO, "O_DIRECT probe read back different bytes")
 
 
+def free_bytes(fd: int, close: bool = False) -> int | None:
+    """The bytes this user may still allocate on ``fd``'s filesystem, or None where the filesystem
+    reports no size at all (its ``f_blocks`` is 0, as some virtual ones do): nothing to check.
+    ``close``: close ``fd`` afterwards."""
+    try:
+        st = os.fstatvfs(fd)
+    finally:
+        if close:
+            os.close(fd)
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
+
+
+def refuse_beyond_free_space(what: str, needed: int, directory: str, fd: int | None = None) -> None:
+    """Raise ValueError, one line, where ``needed`` bytes exceed the free space of the filesystem
+    holding ``directory`` (``fd``, an open file there, when there is one): "``what`` does not fit in
+    the N free on the filesystem of ``directory``"."""
+    free = free_bytes(os.open(directory, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd, close=fd is None)
+    if free is not None and needed > free:
+        raise ValueError(f"{what} does not fit in the {size_text(free)} free on the filesystem of {directory}")
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit it fills, e.g. '4 TiB', '71.5 GiB', '512 bytes'."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.4g} {unit}"
+    return f"{nbytes} bytes"
+
+
+_libc: Any = None
+
+
+def _fallocate(fd: int, length: int) -> None:
+    """Allocate bytes [0, length) of ``fd`` (mode 0: the size grows to ``length`` if smaller).
+    fallocate(2) itself, not glibc's posix_fallocate, which writes a byte per block on a
+    filesystem that cannot reserve instead of saying so."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if _libc.fallocate(fd, 0, 0, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
 @dataclass(frozen=True)
 class FileReport:
     direct: bool
@@ -63,10 +117,11 @@ class BlockFile:
     """A file of ``num_blocks`` blocks, each ``block_bytes`` padded to the DIO alignment."""
 
     def __init__(self, path: str | os.PathLike[str], block_bytes: int, num_blocks: int,
-                 direct: bool | None = None, keep: bool = False) -> None:
+                 direct: bool | None = None, keep: bool = False, reserve: bool = False) -> None:
         """``direct``: True requires O_DIRECT, False never uses it, None probes and falls back.
         ``keep``: the file is ``path`` itself, kept at close (see the module docstring); ``created``
-        then says whether it was made now (False: it existed, and its bytes are as they were)."""
+        then says whether it was made now (False: it existed, and its bytes are as they were).
+        ``reserve``: allocate every block now (see the module docstring)."""
         self.path = os.path.abspath(os.fspath(path))
         self.keep = keep
         self.created = False
@@ -94,15 +149,23 @@ class BlockFile:
                 self.direct, self.reason = self._try_direct()
                 if direct and not self.direct:
                     raise OSError(errno.EINVAL, f"O_DIRECT requested but unusable on {self.path}: {self.reason}")
+            size = self.stride * num_blocks
+            was = os.fstat(self.fd).st_size
             try:
-                size = self.stride * num_blocks
-                if not keep or os.fstat(self.fd).st_size < size:  # a kept file only grows
+                if not keep or was < size:  # a kept file only grows
                     os.ftruncate(self.fd, size)
             except (OverflowError, OSError) as exc:
                 if isinstance(exc, OSError) and exc.errno not in (errno.EFBIG, errno.EINVAL):
                     raise
                 raise ValueError(f"num_disk_blocks={num_blocks}: a file of {num_blocks} × {self.stride} bytes "
                                  f"is larger than the filesystem of {os.path.dirname(self.path)} allows") from None
+            try:
+                self._check_space(size, was if keep else 0)
+                self.reserved, self.reserve_reason = self._reserve(size) if reserve else (False, "reserve_space is off")
+            except BaseException:
+                if keep and was < size:  # give back only the growth made just now: those blocks were never used
+                    os.ftruncate(self.fd, was)
+                raise
         except BaseException:
             if self.created:  # made for nothing: leave no empty file behind
                 with contextlib.suppress(OSError):
@@ -112,8 +175,35 @@ class BlockFile:
 
     def stats(self) -> dict[str, Any]:
         """What it shows of itself in ``Engine.stats()``: ``direct`` and why not (``direct_reason``),
-        how it is named (``file``), ``stride`` (block ``d`` at ``d * stride``)."""
-        return {"direct": self.direct, "direct_reason": self.reason, "file": self.naming, "stride": self.stride}
+        how it is named (``file``), whether it was allocated whole at open (``reserved``) and why
+        not (``reserve_reason``), ``stride`` (block ``d`` at ``d * stride``)."""
+        return {"direct": self.direct, "direct_reason": self.reason, "file": self.naming, "reserved": self.reserved,
+                "reserve_reason": self.reserve_reason, "stride": self.stride}
+
+    def _check_space(self, size: int, was: int) -> None:
+        """Refuse a file whose growth from ``was`` bytes to ``size`` exceeds the filesystem's free
+        space (a kept file that does not grow was checked when it was sized: reopening it after the
+        disk filled up still serves what it holds)."""
+        if size <= was:
+            return
+        shape = f"{self.num_blocks} × {self.stride} bytes"
+        what = (f"the file's growth from {size_text(was)} to {size_text(size)} ({shape})" if was else
+                f"a file of {shape} ({size_text(size)})")
+        what = f"num_disk_blocks={self.num_blocks}: {what}"
+        refuse_beyond_free_space(what, size - was, os.path.dirname(self.path), self.fd)
+
+    def _reserve(self, size: int) -> tuple[bool, str]:
+        """Allocate the whole file now: (True, '') or, where the filesystem cannot, (False, why)."""
+        try:
+            _fallocate(self.fd, size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:  # taken by another process since the check
+                raise ValueError(f"num_disk_blocks={self.num_blocks}: reserving {size_text(size)} for the file in "
+                                 f"{os.path.dirname(self.path)} failed: the filesystem is full (ENOSPC)") from None
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return False, f"the filesystem cannot reserve space ({errno.errorcode[exc.errno]})"
+            raise
+        return True, ""
 
     def _try_direct(self) -> tuple[bool, str]:
         if not self.keep:
@@ -256,17 +346,33 @@ def lock(fd: int, path: str) -> None:
         raise OSError(errno.EBUSY, f"{path} is in use by another process (locked)") from None
 
 
+def _exactly_0600(fd: int, name: str | None = None) -> None:
+    """Make a new file 0600 whatever the umask (a narrow one, 0277 or 0777, would leave the owner
+    unable to write it, or to open it again through /proc/self/fd); on failure close it and remove
+    its ``name`` if it has one."""
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        if name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+        raise
+
+
 def _create_unnamed(path: str) -> tuple[int, str, str | None]:
     """An fd of a new, empty 0600 file in ``path``'s directory, how it was made, and its name if it
     kept one (None: nameless)."""
     directory = os.path.dirname(path)
     try:
         fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        return fd, "unnamed (O_TMPFILE)", None
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOSYS):
             raise  # ENOENT, EACCES, EROFS, ...: the directory itself is the problem
         reason = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    else:
+        _exactly_0600(fd)
+        return fd, "unnamed (O_TMPFILE)", None
     # mkstemp: O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600, a random name nobody can have prepared
     fd, name = tempfile.mkstemp(prefix=os.path.basename(path) + ".", dir=directory)
     os.set_inheritable(fd, False)
@@ -274,5 +380,7 @@ def _create_unnamed(path: str) -> tuple[int, str, str | None]:
         os.unlink(name)
     except OSError as exc:
         unlink_reason = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        _exactly_0600(fd, name)
         return fd, f"named {name} (O_TMPFILE refused: {reason}; unlink refused: {unlink_reason})", name
+    _exactly_0600(fd)
     return fd, f"unlinked at creation (O_TMPFILE refused: {reason})", None

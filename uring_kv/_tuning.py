@@ -57,6 +57,7 @@ class Tuning:
     iowq_workers: int = 0  # io_uring: cap on io-wq workers (0: the kernel's default)
     host_inline_bytes: int = 1 << 20  # CPU mode: copy calls up to this size run on the loop (0: never)
     copy_lanes: int = 0  # GPU mode, Python submit threads per direction (0: 1 staged, else 2)
+    reserve_space: bool = False  # allocate the whole block file at open (fallocate), not as blocks are written
     # ---- diagnostics (URING_KV_DEBUG_<NAME>)
     sqe_async: bool | None = None  # force IOSQE_ASYNC on (True) or off (False) for every SQE
     pumps: bool = True  # False: every batch runs in the Python pump, none in native ones
@@ -97,6 +98,7 @@ class Tuning:
             iowq_workers=_count(env, "URING_KV_IOWQ_WORKERS", d.iowq_workers),
             host_inline_bytes=_count(env, "URING_KV_HOST_INLINE_BYTES", d.host_inline_bytes, "a byte count"),
             copy_lanes=_count(env, "URING_KV_COPY_LANES", d.copy_lanes),
+            reserve_space=bool(_switch(env, "URING_KV_RESERVE_SPACE", d.reserve_space)),
             sqe_async=_switch(env, "URING_KV_DEBUG_SQE_ASYNC", d.sqe_async),
             pumps=on("PUMP", d.pumps),
             pump_scatter=on("PUMP_SCATTER", d.pump_scatter),

@@ -128,8 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from uring_kv._file import round_up
-    from uring_kv.bench.config import BenchConfig
+    from uring_kv.bench.config import BenchConfig, largest_file
     from uring_kv.bench.report import plot, render
     from uring_kv.bench.run import run_bench, to_json
 
@@ -143,12 +142,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.path and len(args.path) > 1:
         return _bench_striped(args, block_sizes, device)
     directory = _directory(args.path[0] if args.path else None)
-    # the largest block file (each case's file is removed before the next is made)
-    _free_space(directory, max(max(args.batch, args.size // b) * round_up(b, 4096) for b in block_sizes))
     config = BenchConfig(path=directory, size=args.size, block_sizes=block_sizes, layers=args.layers,
                          batch=args.batch, batches=args.batches, warmup=args.warmup, io_depth=args.io_depth,
                          slots=args.slots, threads=args.threads, direct=args.direct, device=str(device),
-                         checksum=args.checksum, peers=args.peers, gc_freeze=args.gc_freeze, sweep=args.sweep)
+                         checksum=args.checksum, peers=args.peers, gc_freeze=args.gc_freeze, sweep=args.sweep,
+                         ram=args.ram)
+    _free_space(directory, largest_file(config))
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as progress:
@@ -426,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     direct.add_argument("--buffered", dest="direct", action="store_false", help="hot (page cache) only")
     bench.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (auto: cuda if available)")
     bench.add_argument("--checksum", action="store_true", help="also measure uring_kv with checksum=True")
+    bench.add_argument("--no-ram", dest="ram", action="store_false",
+                       help="skip the second run on a RAM-backed file in /dev/shm (tmpfs, O_DIRECT where the kernel "
+                            "takes it), which tells the engine's own limit from the disk's")
     bench.add_argument("--no-sweep", dest="sweep", action="store_false",
                        help="skip the ring ceiling's depth sweep behind the sizing advice")
     bench.add_argument("--verbose", action="store_true", help="more columns and the engine's set-up")

@@ -22,7 +22,7 @@ import torch
 
 from uring_kv._memory import HostBuffer
 from uring_kv._native import ring_loop
-from uring_kv.bench.results import Row
+from uring_kv.bench.results import Row, process_cpu_seconds
 
 DEPTHS = (4, 8, 16, 32, 64, 128)  # I/O depths the sizing sweep tries on the ring ceiling
 
@@ -35,21 +35,31 @@ class RingCeiling:
         self.buffer = HostBuffer(stride * depth, huge_pages=True)  # as the engine's slots: see HostBuffer
 
     def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+        """The C loop's seconds for the batch."""
+        return self.run_measured(store, disk_blocks, gpu_blocks)[0]
+
+    def run_measured(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
+        """The C loop's seconds and the process's CPU seconds during it (a store's keeping and
+        putting back of the blocks' bytes, below, is neither)."""
         offsets = [d * self.stride for d in disk_blocks]
         if not store:
-            return ring_loop(self.fd, False, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
+            cpu0 = process_cpu_seconds()
+            elapsed = ring_loop(self.fd, False, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
+            return elapsed, process_cpu_seconds() - cpu0
         # The ceiling writes whatever its buffer holds: keep the blocks' bytes (aligned, for O_DIRECT)
         # and put them back afterwards.
         snapshot = HostBuffer(self.stride * len(offsets))
         views = [snapshot.view[i * self.stride:(i + 1) * self.stride] for i in range(len(offsets))]
         for view, offset in zip(views, offsets, strict=True):
             os.preadv(self.fd, [view], offset)
+        cpu0 = process_cpu_seconds()
         elapsed = ring_loop(self.fd, True, self.depth, self.stride, offsets, self.buffer.addr, True) / 1e9
+        cpu = process_cpu_seconds() - cpu0
         for view, offset in zip(views, offsets, strict=True):
             os.pwritev(self.fd, [view], offset)
             view.release()
         snapshot.close()
-        return elapsed
+        return elapsed, cpu
 
     def close(self) -> None:
         self.buffer.close()

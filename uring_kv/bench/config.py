@@ -35,6 +35,10 @@ class BenchConfig:
     checksum: bool = False  # also measure uring_kv with checksum=True ("uring_kv+crc32c")
     peers: tuple[str, ...] = PEERS  # which of the others run beside uring_kv
     sweep: bool = True  # time the ring ceiling at several depths for the sizing advice
+    # The same run again on a RAM-backed file (ram_directory()), where the disk is not the limit:
+    # the engine's own ceiling, beside the disk's figures
+    ram: bool = True
+    ram_path: str = "/dev/shm"
     # Diagnostics, not command-line options (lab/loop_stalls.py): Engine.trace's tracer for
     # uring_kv's engines, and LagTicker's ``watch`` for every method measured
     tracer: Callable[[str, Any, int], None] | None = None
@@ -67,3 +71,9 @@ def staging_slots(config: BenchConfig, device: torch.device, block_bytes: int, d
     # slots; alignments over 4 KiB), the engine runs a slower path, never a wrong one.
     stride = round_up(block_bytes, 4096)
     return Tuning.staging_slots(config.io_depth, stride, device.type == "cuda", direct)
+
+
+def largest_file(config: BenchConfig) -> int:
+    """Bytes of the largest block file the run makes (each case's file is removed before the next
+    is made): what the directory must have free."""
+    return max(max(config.batch, config.size // b) * round_up(b, 4096) for b in config.block_sizes)

@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import resource
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from uring_kv.bench.lagprobe import LagTicker
-from uring_kv.bench.results import Row, kind_of, percentile
+from uring_kv.bench.results import Row, kind_of, percentile, process_cpu_seconds
 from uring_kv.bench.workload import Workload, scrub_blocks, sync, verify_file
 
-# A method moves one batch; it may return its own elapsed seconds (the ceiling times only its C loop).
-Method = Callable[[bool, list[int], list[int]], Awaitable[float | None]]
+# A method moves one batch; it may return its own elapsed seconds and the process's CPU seconds
+# in them (the ring ceiling counts only its C loop).
+Method = Callable[[bool, list[int], list[int]], Awaitable[tuple[float, float] | None]]
 
 
 @dataclass
@@ -26,11 +26,6 @@ class Tally:
     lag: list[float] = field(default_factory=list)
     timer_lag: list[float] = field(default_factory=list)
     verified: bool = False
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 @contextlib.contextmanager
@@ -73,15 +68,18 @@ async def measure(work: Workload, methods: dict[str, Method], op: str, fd: int, 
                 work.scrub()
             sync(work.device)
             tally = tallies[name]
-            cpu0 = _cpu_seconds()
+            cpu0 = process_cpu_seconds()
             with LagTicker(name, work.config.lag_watch) as ticker:
                 start = time.perf_counter()
                 own = await methods[name](store, disk_blocks, gpu_blocks)
-                elapsed = time.perf_counter() - start if own is None else own
+                elapsed = time.perf_counter() - start
+                cpu = process_cpu_seconds() - cpu0
+            if own is not None:
+                elapsed, cpu = own
             if round_index < work.config.warmup:
                 continue
             tally.latencies.append(elapsed)
-            tally.cpu_s += _cpu_seconds() - cpu0
+            tally.cpu_s += cpu
             tally.lag.extend(ticker.samples)
             tally.timer_lag.extend(ticker.timer_samples)
             if round_index == last:
@@ -97,9 +95,10 @@ def to_row(work: Workload, op: str, case: str, method: str, tally: Tally) -> Row
     """A method's row from its tally: rates over the measured batches, latency percentiles, lag."""
     moved = len(tally.latencies) * work.config.batch
     elapsed = sum(tally.latencies)
+    gigabytes = moved * work.block_bytes / 1e9
     return Row(op, case, work.block_bytes, method, kind_of(method), moved * work.block_bytes / elapsed / 1e9,
                moved / elapsed, percentile(tally.latencies, 0.5) * 1e3, percentile(tally.latencies, 0.99) * 1e3,
                tally.cpu_s, max(tally.lag, default=0.0) * 1e3, percentile(tally.lag, 0.99) * 1e3, tally.verified,
                max(tally.timer_lag, default=0.0) * 1e3, percentile(tally.timer_lag, 0.99) * 1e3,
                [round(x * 1e3, 3) for x in tally.latencies], lag_samples=len(tally.lag),
-               lag_ms=[x * 1e3 for x in tally.lag])
+               lag_ms=[x * 1e3 for x in tally.lag], core_s_per_gb=tally.cpu_s / gigabytes if gigabytes else 0.0)

@@ -82,12 +82,15 @@ def header(result: dict[str, Any]) -> list[str]:
 def verdict(result: dict[str, Any]) -> list[str]:
     """A line per operation, block size and case; the loop's lag; the sizing advice."""
     lines = []
+    limits = dict(LIMITS)
+    if result["filesystem"] in ("tmpfs", "ramfs"):  # the RAM-backed run: the ring's limit, not a disk's
+        limits["ring ceiling"] = "ring limit"
     for block, case, op in _groups(result):
         mine = _mine(result, block, case, op)
         if mine is None:
             continue
         ratios = mine["ratios"]
-        parts = [f"{ratios[m]:.2f} of {LIMITS[m]}" for m in LIMITS if m in ratios]
+        parts = [f"{ratios[m]:.2f} of {limits[m]}" for m in limits if m in ratios]
         parts += [f"{ratios[m]:.1f}× {_label(m)}" for m in ratios if kind_of(m) == "peer"]
         lines += _wrapped(f"{op:<5} {_size(block):>7} {case:<4} {mine['gbps']:6.2f} GB/s  ", parts)
     lag = result.get("uring_kv_lag")
@@ -127,6 +130,18 @@ def sizing(result: dict[str, Any]) -> list[str]:
 
 
 def render(result: dict[str, Any], console: Any, verbose: bool = False) -> None:
+    """The disk's run, then the RAM-backed one (or why there is none)."""
+    _render_run(result, console, verbose)
+    if "ram" in result:
+        console.print()
+        console.print("RAM-backed file: the same run with the disk out of the way (the engine's own limit)",
+                      highlight=False, markup=False, style="bold")
+        _render_run({**result, **result["ram"]}, console, verbose)
+    elif result.get("ram_skipped"):
+        console.print(f"RAM-backed run: {result['ram_skipped']}", highlight=False, markup=False)
+
+
+def _render_run(result: dict[str, Any], console: Any, verbose: bool) -> None:
     from rich import box
     from rich.table import Table
 
@@ -137,9 +152,10 @@ def render(result: dict[str, Any], console: Any, verbose: bool = False) -> None:
         say(line)
     for line in verdict(result):
         say(line)
-    say("N× = uring_kv's GB/s ÷ the method's; 'of limit' = the share of a ceiling it reached", style="dim")
+    say("N× = uring_kv's GB/s ÷ the method's; 'of limit' = the share of a ceiling it reached; core-s/GB = the "
+        "process's CPU seconds (every thread) per GB moved", style="dim")
     table = Table(box=box.SIMPLE, pad_edge=False)
-    columns = ["block", "case", "op", "method", "GB/s", "uring_kv", "p99 ms", "lag max ms", "ok"]
+    columns = ["block", "case", "op", "method", "GB/s", "uring_kv", "p99 ms", "core-s/GB", "lag max ms", "ok"]
     if verbose:
         columns[6:6] = ["blocks/s", "p50 ms", "CPU s"]
         columns[-1:-1] = ["lag p99 ms"]
@@ -155,9 +171,10 @@ def render(result: dict[str, Any], console: Any, verbose: bool = False) -> None:
                  "GB/s": f"{row['gbps']:.2f}", "uring_kv": ratio, "p99 ms": f"{row['p99_ms']:.2f}",
                  "lag max ms": f"{row['lag_max_ms']:.2f}", "ok": "yes" if row["verified"] else "NO",
                  "blocks/s": f"{row['blocks_per_s']:.0f}", "p50 ms": f"{row['p50_ms']:.2f}",
-                 "CPU s": f"{row['cpu_s']:.2f}", "lag p99 ms": f"{row['lag_p99_ms']:.3f}"}
+                 "CPU s": f"{row['cpu_s']:.2f}", "lag p99 ms": f"{row['lag_p99_ms']:.3f}",
+                 "core-s/GB": f"{row.get('core_s_per_gb', 0.0):.3f}"}
         if row["kind"] == "ceiling" and row["method"] != "ring ceiling":
-            for key in ("p99 ms", "lag max ms", "p50 ms", "CPU s", "lag p99 ms"):
+            for key in ("p99 ms", "lag max ms", "p50 ms", "CPU s", "lag p99 ms", "core-s/GB"):
                 cells[key] = ""
         table.add_row(*(cells[c] for c in columns))
     console.print(table)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ class Row:
     blocks_per_s: float
     p50_ms: float
     p99_ms: float
-    cpu_s: float
+    cpu_s: float  # the process's CPU time (every thread) over the measured batches
     lag_max_ms: float
     lag_p99_ms: float
     verified: bool
@@ -31,6 +32,7 @@ class Row:
     batch_ms: list[float] = field(default_factory=list)  # every measured batch, in order
     ratios: dict[str, float] = field(default_factory=dict)
     lag_samples: int = 0  # probe samples behind lag_max_ms / lag_p99_ms (1 per ms of the row's batches)
+    core_s_per_gb: float = 0.0  # cpu_s per GB moved (0: not measured in this process, e.g. fio)
     lag_ms: list[float] = field(default_factory=list, repr=False)  # those samples (pooled per run, not in the JSON)
 
 
@@ -53,6 +55,12 @@ class BatchRow:
         total = sum(times)
         return cls(method, block_bytes, blocks * block_bytes / total / 1e9 if total else 0.0,
                    percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3, len(times), verified, **extra)
+
+
+def process_cpu_seconds() -> float:
+    """User and system CPU seconds of the whole process so far (every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def percentile(values: list[float], q: float) -> float:

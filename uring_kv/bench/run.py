@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -20,7 +21,7 @@ import torch
 
 from uring_kv import Engine
 from uring_kv.bench import ceilings, peers
-from uring_kv.bench.config import BenchConfig, staging_slots
+from uring_kv.bench.config import BenchConfig, largest_file, staging_slots
 from uring_kv.bench.measure import Method, frozen_heap, measure, to_row
 from uring_kv.bench.results import Row, percentile, pooled_lag, ratios
 from uring_kv.bench.workload import Workload, prefill
@@ -139,7 +140,7 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
             methods[kvikio.name] = functools.partial(_in_thread, kvikio.run)
     if "ceiling" in config.peers:
         ceiling = closing.add(ceilings.RingCeiling(fd, stride, engine.io_depth))
-        methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run)
+        methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run_measured)
 
 
 def _reopenable(fd: int) -> str:
@@ -153,8 +154,8 @@ async def _in_thread(run: Callable[[bool, list[int], list[int]], None], store: b
     await asyncio.to_thread(run, store, disk_blocks, gpu_blocks)
 
 
-async def _in_thread_timed(run: Callable[[bool, list[int], list[int]], float], store: bool,
-                           disk_blocks: list[int], gpu_blocks: list[int]) -> float:
+async def _in_thread_timed(run: Callable[[bool, list[int], list[int]], tuple[float, float]], store: bool,
+                           disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
     return await asyncio.to_thread(run, store, disk_blocks, gpu_blocks)
 
 
@@ -168,7 +169,7 @@ def _warm(fd: int, length: int) -> None:
         offset += got
 
 
-def _filesystem(directory: str) -> str:
+def filesystem_of(directory: str) -> str:
     """The type of the filesystem holding ``directory`` (from /proc/self/mountinfo), or "?"."""
     target, best, kind = os.path.realpath(directory), "", "?"
     with contextlib.suppress(OSError), open("/proc/self/mountinfo") as mounts:
@@ -188,9 +189,30 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    device = resolve_device(config.device)
-    directory = config.path or tempfile.gettempdir()
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def ram_directory(config: BenchConfig, disk_directory: str) -> tuple[str | None, str]:
+    """Where the RAM-backed run goes (``config.ram_path``), or None and why it is left out: not
+    asked for, not a RAM filesystem, the disk run already on one, or too little room there."""
+    if not config.ram:
+        return None, "left out (--no-ram)"
+    if filesystem_of(disk_directory) in RAM_FILESYSTEMS:
+        return None, f"left out: the file is already in RAM ({disk_directory}, {filesystem_of(disk_directory)})"
+    kind = filesystem_of(config.ram_path)
+    if not os.path.isdir(config.ram_path) or kind not in RAM_FILESYSTEMS:
+        return None, f"left out: {config.ram_path} is not a RAM filesystem here ({kind})"
+    stats = os.statvfs(config.ram_path)
+    free, needed = stats.f_bavail * stats.f_frsize, largest_file(config)
+    if free < needed:
+        return None, (f"left out: {config.ram_path} has {free >> 20} MiB free, the run needs {needed >> 20} MiB "
+                      "(make --size smaller)")
+    return config.ram_path, ""
+
+
+async def _run_in(config: BenchConfig, device: torch.device, directory: str,
+                  progress: Callable[[str], None]) -> dict[str, Any]:
+    """Every block size on a file in ``directory``: the rows, the set-up and the loop's lag."""
     rows: list[Row] = []
     extras: dict[str, Any] = {}
     for block_bytes in config.block_sizes:
@@ -198,14 +220,8 @@ async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dic
         rows.extend(got)
         extras[str(block_bytes)] = extra
     return {
-        "machine": {"kernel": os.uname().release, "cpus": os.cpu_count(), "python": sys.version.split()[0],
-                    "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                    "date": time.strftime("%Y-%m-%d")},
-        "config": {k: v for k, v in asdict(config).items() if k not in ("tracer", "lag_watch")},
-        "device": str(device),
         "path": os.path.realpath(directory),
-        "filesystem": _filesystem(directory),
+        "filesystem": filesystem_of(directory),
         "rows": [{k: v for k, v in asdict(row).items() if k != "lag_ms"} for row in rows],
         "extra": extras,
         "all_verified": all(row.verified for row in rows),
@@ -214,6 +230,31 @@ async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dic
         # thread): the host's own wake-up latency, the floor under every lag figure of the run.
         "idle_loop_lag": pooled_lag(rows, "ring ceiling"),
     }
+
+
+async def run_bench(config: BenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The run on ``config.path`` (the disk), then, where :func:`ram_directory` finds one, the same
+    on a RAM-backed file under ``"ram"`` (no depth sweep there: the sizing advice is the disk's).
+    ``all_verified`` covers both."""
+    device = resolve_device(config.device)
+    directory = config.path or tempfile.gettempdir()
+    result: dict[str, Any] = {
+        "machine": {"kernel": os.uname().release, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                    "date": time.strftime("%Y-%m-%d")},
+        "config": {k: v for k, v in asdict(config).items() if k not in ("tracer", "lag_watch")},
+        "device": str(device),
+        **await _run_in(config, device, directory, progress),
+    }
+    ram, why = ram_directory(config, directory)
+    if ram is None:
+        result["ram_skipped"] = why
+        return result
+    result["ram"] = await _run_in(dataclasses.replace(config, sweep=False), device, ram,
+                                  lambda message: progress(f"RAM-backed file: {message}"))
+    result["all_verified"] = result["all_verified"] and result["ram"]["all_verified"]
+    return result
 
 
 def to_json(result: dict[str, Any]) -> str:

@@ -54,6 +54,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
+from uring_kv._file import refuse_beyond_free_space, size_text
 from uring_kv._memory import view_of
 from uring_kv.errors import KeyIOError
 from uring_kv.integrations.lmcache_config import STORE_OPTIONS, UringKVL2AdapterConfig
@@ -122,8 +123,16 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
         self._in_flight: set[concurrent.futures.Future[None]] = set()
         self._closing = False
         self._closed = False
+        if not (config.persistent or config.block_bytes):
+            # opened at the first chunk, whose size sets the block's: the room is checked now
+            share = config.capacity_bytes // len(config.root_dirs)
+            for directory in config.root_dirs:
+                refuse_beyond_free_space(f"UringKVL2Adapter: capacity_bytes={config.capacity_bytes} "
+                                         f"({size_text(share)} in {directory})", share, directory)
         self._loop = LoopThread(name="uring-kv-lmcache")
-        if config.persistent:  # open now: the keys kept from the last run are hits from the start
+        # Open now where the block size is known (a persistent adapter's kept keys are hits from
+        # the start; a store the disk has no room for is refused here, not at the first chunk).
+        if config.persistent or config.block_bytes:
             try:
                 self._loop.run(self._open(None))
             except BaseException:
