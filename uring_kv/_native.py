@@ -98,7 +98,7 @@ class NativeRing:
         self._submit_error = ffi.new("int *")
         self._more = ffi.new("int *")
         self._jobs = _JobsOut()  # what collect() takes
-        self.reap_budget_ns = 0  # see reap()
+        self._reap_budget_ns = 0  # see reap_budget()
         self.pumps: dict[int, NativePump] = {}  # attached pumps by id
         self._report = report
         self.more = False  # the last reap ran out of its budget with completions left
@@ -154,6 +154,10 @@ class NativeRing:
         packed = b"".join([_OP_LAYOUT.pack(*sqe) for sqe in sqes])
         _check(_lib.ukv_submit(self._ring, ffi.from_buffer("struct ukv_op[]", packed), len(sqes)), "io_uring_submit")
 
+    def reap_budget(self, ns: int) -> None:
+        """How long one :meth:`reap` may go on refilling pumps whose I/O completes inline (0: one pass)."""
+        self._reap_budget_ns = ns
+
     def pump_depth(self, cap: int) -> None:
         """At most ``cap`` pump I/Os in flight at once (0: no limit); pumps' slots wait for room."""
         _lib.ukv_ring_pump_depth(self._ring, cap)
@@ -204,7 +208,7 @@ class NativeRing:
         handlers run when it returns.
 
         Pump refills that the kernel completes inside their submission (page-cache hits without
-        IOSQE_ASYNC) are handled in further passes for up to ``reap_budget_ns``, which also ends a
+        IOSQE_ASYNC) are handled in further passes for up to the reap budget, which also ends a
         pass early (checked after each pump completion: each may have copied a block); ``more``
         is True when the budget ran out with completions left: the caller reaps again on a later
         loop turn (nothing else would wake it for them)."""
@@ -213,7 +217,7 @@ class NativeRing:
         self.more = False
         while True:
             got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
-                                       self._touched, self._ntouched, self._submit_error, self.reap_budget_ns,
+                                       self._touched, self._ntouched, self._submit_error, self._reap_budget_ns,
                                        self._more)
             self._moved(moved)
             if got:

@@ -12,7 +12,7 @@ Some facts about io_uring that shape it:
   ``async_io=True`` sets IOSQE_ASYNC on every read SQE (and every write SQE, unless
   ``async_writes=False``) so the work goes to io-wq threads instead. Native pumps of small blocks
   may go inline anyway (``inline=True``): their C reap loop bounds the time it holds the loop
-  (``reap_budget_ns``) and asks for another loop turn for the rest.
+  (``NativeRing.reap_budget``) and asks for another loop turn for the rest.
 
 Ops of the Python pump go through :meth:`UringBackend.submit` (a handler each); a native pump
 (:class:`RingPump`, made by :class:`NativePumps`) runs its blocks in C on the same ring, and the
@@ -131,7 +131,7 @@ class UringBackend(OpsInFlight):
         self.wakeups = 0
         self._pump_slots = 0  # slots held by native pumps: each may have an op in flight
         self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
-        ring.reap_budget_ns = tuning.reap_budget_us * 1000
+        ring.reap_budget(tuning.reap_budget_us * 1000)
         ring.pump_depth(self._capacity)  # pumps whose slots outnumber the depth park the rest
 
     def pumps(self, fd: int, stride: int, blocks: BlockCopier, waiting: Any, max_slots: int, inline: bool,
