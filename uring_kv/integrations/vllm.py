@@ -133,7 +133,7 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
         del rows
         self._finished: collections.deque[JobResult] = collections.deque()
         self._outstanding = 0
-        self._settled = threading.Condition()
+        self._settled = threading.Condition(threading.RLock())  # (get_stats holds it around stats())
         # counts: lookups on vLLM's scheduler thread (the only one that looks up), the rest under
         # _settled as each job is reported; _reported: what get_stats() handed to vLLM so far
         self._lookups = self._hits = 0
@@ -271,8 +271,8 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
         each promotion job's seconds, and the keys held now."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
-        now = self.stats()
-        with self._settled:
+        with self._settled:  # the counts and the times of the same jobs
+            now = self.stats()
             times, self._promotion_times = self._promotion_times, []
         stats = OffloadingConnectorStats()
         for key, (name, _) in _COUNTERS.items():
