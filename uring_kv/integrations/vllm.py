@@ -24,6 +24,10 @@ thread and must not block):
 * ``drain_jobs``: waits until every submitted job has reported. ``shutdown``: finishes the jobs in
   flight, closes the store (its file has no name: nothing is left on disk; a persistent tier's
   file and index stay for the next start) and lets go of the primary region, so vLLM can unmap it.
+
+What it did is counted (``stats()``: lookups and hits, promotions and stores in jobs, keys, bytes
+and seconds, the keys that failed) and handed to vLLM's connector metrics (``get_stats``), which
+a server exports on ``/metrics`` as ``vllm:uring_kv_tier_*`` (:data:`METRICS`).
 """
 
 from __future__ import annotations
@@ -41,11 +45,49 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from uring_kv.errors import EngineClosedError, KeyIOError
 from uring_kv.sync import SyncBlockStore
+
+# What the tier counts, as vLLM's connector metrics (the name a server's /metrics shows, with
+# prometheus-client's ``_total`` after counters): name in stats() -> (metric, help).
+_COUNTERS = {
+    "lookups": ("vllm:uring_kv_tier_lookups", "Lookups UringKVTier answered (one per chunk asked)."),
+    "hits": ("vllm:uring_kv_tier_hits", "Lookups UringKVTier answered HIT."),
+    "promotion_jobs": ("vllm:uring_kv_tier_promotion_jobs", "Promotion jobs UringKVTier reported."),
+    "promoted_keys": ("vllm:uring_kv_tier_promoted_keys", "Chunks UringKVTier loaded into the primary."),
+    "promoted_bytes": ("vllm:uring_kv_tier_promoted_bytes", "Bytes UringKVTier loaded into the primary."),
+    "promotion_failed_keys": ("vllm:uring_kv_tier_promotion_failed_keys",
+                              "Chunks whose promotion failed (each a miss from then on)."),
+    "store_jobs": ("vllm:uring_kv_tier_store_jobs", "Cascade (store) jobs UringKVTier reported."),
+    "stored_keys": ("vllm:uring_kv_tier_stored_keys", "Chunks UringKVTier wrote to its file."),
+    "stored_bytes": ("vllm:uring_kv_tier_stored_bytes", "Bytes UringKVTier wrote to its file."),
+    "store_failed_keys": ("vllm:uring_kv_tier_store_failed_keys", "Chunks whose store failed (misses)."),
+}
+_PROMOTION_SECONDS = "vllm:uring_kv_tier_promotion_seconds"
+_KEYS_HELD = "vllm:uring_kv_tier_keys"
+_PROMOTION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+#: The tier's metrics as vLLM's connector declares them (``build_metric_definitions``).
+METRICS: dict[str, OffloadingMetricMetadata] = {
+    **{name: OffloadingCounterMetadata(documentation=text) for name, text in _COUNTERS.values()},
+    _PROMOTION_SECONDS: OffloadingHistogramMetadata(
+        documentation="Seconds from UringKVTier's submit_load to the job's end, per promotion job.",
+        buckets=_PROMOTION_BUCKETS),
+    _KEYS_HELD: OffloadingGaugeMetadata(documentation="Chunks UringKVTier holds."),
+}
 
 
 class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
@@ -91,12 +133,23 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
         del rows
         self._finished: collections.deque[JobResult] = collections.deque()
         self._outstanding = 0
-        self._settled = threading.Condition()
+        self._settled = threading.Condition(threading.RLock())  # (get_stats holds it around stats())
+        # counts: lookups on vLLM's scheduler thread (the only one that looks up), the rest under
+        # _settled as each job is reported; _reported: what get_stats() handed to vLLM so far
+        self._lookups = self._hits = 0
+        self._counts: dict[str, float] = {key: 0 for key in _COUNTERS if key not in ("lookups", "hits")}
+        self._counts.update(promotion_seconds=0.0, promotion_seconds_max=0.0)
+        self._reported: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._promotion_times: list[float] = []  # not yet handed to get_stats()
 
     # ---------------------------------------------------------------- lookups
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         store = self._store
-        return LookupResult.HIT if store is not None and store.contains(key) else LookupResult.MISS
+        self._lookups += 1
+        if store is not None and store.contains(key):
+            self._hits += 1
+            return LookupResult.HIT
+        return LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -156,6 +209,21 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
                            successful_keys=None if success or not job.is_promotion else
                            [OffloadKey(key) for key in ok])
         with self._settled:
+            counts = self._counts
+            if job.is_promotion:
+                counts["promotion_jobs"] += 1
+                counts["promoted_keys"] += moved
+                counts["promoted_bytes"] += moved * self._row_bytes
+                counts["promotion_failed_keys"] += len(keys) - len(ok)
+                counts["promotion_seconds"] += seconds
+                counts["promotion_seconds_max"] = max(counts["promotion_seconds_max"], seconds)
+                if len(self._promotion_times) < 100_000:  # (bounded if nothing ever collects them)
+                    self._promotion_times.append(seconds)
+            else:
+                counts["store_jobs"] += 1
+                counts["stored_keys"] += moved
+                counts["stored_bytes"] += moved * self._row_bytes
+                counts["store_failed_keys"] += len(keys) - len(ok)
             self._finished.append(result)
             self._outstanding -= 1
             self._settled.notify_all()
@@ -182,10 +250,40 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
             gc.collect()  # the engine's last references to the rows: vLLM can then unmap its region
         self.drain_jobs()
 
-    def stats(self) -> dict[str, int]:
-        """The block store's counters (keys held, capacity, evictions, failures)."""
+    def stats(self) -> dict[str, float]:
+        """What the tier did since it started: ``lookups`` and ``hits`` (chunks), promotions
+        (``promotion_jobs``, ``promoted_keys``, ``promoted_bytes``, ``promotion_failed_keys``,
+        ``promotion_seconds`` and ``promotion_seconds_max``: submit_load to the job's end) and
+        stores (``store_jobs``, ``stored_keys`` and ``stored_bytes``: written to the file, keys
+        already held not counted; ``store_failed_keys``); then the block store's own counts (keys
+        held, capacity, evictions, failures; none once shut down). Safe from any thread."""
+        with self._settled:
+            counts = dict(self._counts)
         store = self._store
-        return store.stats() if store is not None else {}
+        return {"lookups": self._lookups, "hits": self._hits, **counts, **(store.stats() if store is not None else {})}
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return dict(METRICS)
+
+    def get_stats(self) -> Any:
+        """vLLM's connector stats (``OffloadingConnectorStats``): the counts since the last call,
+        each promotion job's seconds, and the keys held now."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        with self._settled:  # the counts and the times of the same jobs
+            now = self.stats()
+            times, self._promotion_times = self._promotion_times, []
+        stats = OffloadingConnectorStats()
+        for key, (name, _) in _COUNTERS.items():
+            if delta := now[key] - self._reported[key]:
+                stats.increase_counter(name, delta)
+                self._reported[key] = now[key]
+        for seconds in times:
+            stats.observe_histogram(_PROMOTION_SECONDS, seconds)
+        if "keys" in now:
+            stats.set_gauge(_KEYS_HELD, now["keys"])
+        return stats
 
 
 def run_fingerprint(offloading_spec: Any, row_bytes: int) -> str:
@@ -201,4 +299,4 @@ def run_fingerprint(offloading_spec: Any, row_bytes: int) -> str:
                       sort_keys=True)
 
 
-__all__ = ["UringKVTier", "run_fingerprint"]
+__all__ = ["METRICS", "UringKVTier", "run_fingerprint"]
