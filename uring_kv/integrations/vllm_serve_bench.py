@@ -319,8 +319,9 @@ def main(args: argparse.Namespace) -> int:
         out = os.path.join(directory, "result.json")
         try:
             progress(f"{config}: starting an engine")
-            done = subprocess.run([sys.executable, "-m", "uring_kv.integrations.vllm_serve_bench", config, model,
-                                   directory, out, json.dumps(options)])
+            # -P: the installed package, never a source tree that happens to be the working directory
+            done = subprocess.run([sys.executable, "-P", "-m", "uring_kv.integrations.vllm_serve_bench", config,
+                                   model, directory, out, json.dumps(options)])
             if done.returncode:
                 print(f"uring-kv bench-serve: the {config} run failed ({done.returncode})", file=sys.stderr)
                 return 1
