@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,19 +191,12 @@ def test_a_persistent_tier_serves_the_prefix_from_disk_after_a_restart(
 
 @pytest.mark.root
 def test_an_io_error_under_the_tier_is_recomputed_and_the_keys_become_misses(
-        model: str, recomputed: list[Any], tmp_path: Path) -> None:
+        model: str, recomputed: list[Any], fault_mount: tuple[Path, Any]) -> None:
     """EIO from the fault filesystem of the main suite (tests/faultfs.py) for every read and
     write of the tier's file, once the prefix is there and gone from the engine and the primary:
     the promotion fails, vLLM recomputes (the right tokens, no hang), and the keys that failed are
     misses afterwards (their stores failing too, nothing puts them back)."""
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.skip("needs root and /dev/fuse for the fault filesystem")
-    pytest.importorskip("mfusepy")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from faultfs import mounted
-
-    mount = tmp_path / "faulty"
-    mount.mkdir()
+    mount, mounted = fault_mount
     with mounted(mount, watchdog_seconds=300) as faults:
         llm = engine(model, {"root_dir": str(mount)})
         try:

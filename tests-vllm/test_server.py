@@ -56,10 +56,15 @@ class Server:
               "kv_connector_extra_config": {"spec_name": "CPUTieringOffloadingSpec",
                                             "spec_module_path": "uring_kv.integrations.vllm_cpu",
                                             "cpu_bytes_to_use": 24 * CHUNK, "secondary_tiers": [tier]}}
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        # -P (inherited by vLLM's engine and worker processes): the installed uring_kv, not the
+        # uncompiled source tree of the working directory
+        command = [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                    "--max-model-len", "2048", "--block-size", str(BLOCK), "--kv-cache-memory-bytes",
-                   str(24 * CHUNK), "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv)]
+                   str(24 * CHUNK), "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv),
+                   # vLLM's default (0) SIGKILLs an engine process still tearing down at once: on a
+                   # loaded machine the tier's own shutdown would never run
+                   "--shutdown-timeout", "60"]
         # a KV connector makes vLLM keep one more core for itself: on two, none would be left
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
         self.log = log
@@ -169,4 +174,5 @@ def test_the_server_serves_an_evicted_prefix_from_the_tier_and_exports_its_count
     assert list((tmp_path / "tier").iterdir()) == []  # the tier's file had no name
     left = {name for name in os.listdir("/dev/shm") if name.startswith("vllm_offload_")} - shm_before
     assert not left, f"the primary region is left in /dev/shm: {left}"
+    assert "force killing" not in server.tail(), server.tail()  # the engine closed its tier itself
     assert "Traceback" not in server.tail(), server.tail()

@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -292,9 +293,6 @@ def test_a_failed_store_is_never_a_hit(tmp_path: Path) -> None:
     """ENOSPC from a tmpfs that another file fills up to its last 1 MiB after the tier (allowed
     4 MiB) opened: the stores that did not fit report failure and their keys stay misses; the ones
     that fit promote byte-identical."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tmpfs import mounted_tmpfs, take_space
 
     with mounted_tmpfs(tmp_path / "tiny", "size=8m") as mount:
@@ -320,9 +318,6 @@ def test_a_failed_store_is_never_a_hit(tmp_path: Path) -> None:
 
 def test_a_capacity_beyond_the_free_space_is_refused_when_vllm_builds_the_tier(tmp_path: Path) -> None:
     """The store's one-line refusal reaches vLLM's tier factory; nothing is left behind."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tmpfs import mounted_tmpfs
 
     with mounted_tmpfs(tmp_path / "small", "size=2m") as mount:
@@ -332,20 +327,11 @@ def test_a_capacity_beyond_the_free_space_is_refused_when_vllm_builds_the_tier(t
         assert os.listdir(mount) == []
 
 
-def test_eio_from_the_disk_turns_stores_and_promotions_into_misses(tmp_path: Path) -> None:
+def test_eio_from_the_disk_turns_stores_and_promotions_into_misses(fault_mount: tuple[Path, Any]) -> None:
     """Real EIO from the fault filesystem of the main suite (tests/faultfs.py): writes failing over
     the file make the cascaded keys misses; reads failing make a promotion fail and its keys
     misses; the tier keeps serving the keys outside the failing range."""
-    import sys
-
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.skip("needs root and /dev/fuse for the fault filesystem")
-    pytest.importorskip("mfusepy")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from faultfs import mounted
-
-    mount = tmp_path / "faulty"
-    mount.mkdir()
+    mount, mounted = fault_mount
     with mounted(mount) as faults:
         r = Run(mount, primary_rows=4, capacity_rows=16)
         try:
