@@ -44,11 +44,21 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     fio = shutil.which("fio") is not None
     for case, ops in (("cold", ("load", "store")), ("hot", ("load",))):
         for op in ops:
-            for method in ("uring_kv", "uring_kv+crc32c", "vllm-disk", "threads2", "ring ceiling"):
+            for method in ("uring_kv", "uring_kv+crc32c", "vllm-disk", "threads2", "ring ceiling", "copy ceiling"):
                 assert (op, case, method) in seen
             assert ((op, case, "fio") in seen) == (fio and case == "cold")
     kinds = {r["method"]: r["kind"] for r in rows}
-    assert kinds["vllm-disk"] == kinds["threads2"] == "peer" and kinds["ring ceiling"] == "ceiling"
+    assert kinds["vllm-disk"] == kinds["threads2"] == "peer"
+    assert kinds["ring ceiling"] == kinds["copy ceiling"] == "ceiling"
+    assert "copy ceiling" in result["extra"][str(64 << 10)]["notes"]  # what it times: the host memcpy here
+    for row in rows:  # every method's share of the lower of the two ceilings of its group
+        key = (row["op"], row["case"], row["block_bytes"])
+        limit = min(r["gbps"] for r in rows if (r["op"], r["case"], r["block_bytes"]) == key
+                    and r["method"] in ("ring ceiling", "copy ceiling"))
+        if row["kind"] == "ceiling":
+            assert row["of_limit"] is None
+        else:
+            assert row["of_limit"] == pytest.approx(row["gbps"] / limit)
     for row in rows:
         assert row["verified"] is True
         assert row["gbps"] > 0
@@ -57,7 +67,7 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
             assert len(row["batch_ms"]) == 2  # --batches 2; the warm-up batch is not counted
     mine = next(r for r in rows if r["method"] == "uring_kv" and r["op"] == "load")
     # (+ "pcie ceiling" on a GPU)
-    assert {"vllm-disk", "threads2", "ring ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
+    assert {"vllm-disk", "threads2", "ring ceiling", "copy ceiling", "uring_kv+crc32c"} <= set(mine["ratios"])
     for method, ratio in mine["ratios"].items():
         other = next(r for r in rows if r["method"] == method and r["op"] == "load" and
                      r["case"] in (mine["case"], "pcie"))
@@ -96,7 +106,9 @@ def test_bench_json_has_every_method_and_all_verified(tmp_path: Path, capsys: py
     printed = capsys.readouterr().out
     if ram is not None:
         disk_part, ram_part = printed.split("RAM-backed file: the same run with the disk out of the way")
-        assert "of disk limit" in disk_part and "of ring limit" in ram_part and "file in /dev/shm (tmpfs" in ram_part
+        # the verdict names the binding ceiling: on a RAM-backed file the ring's or the copies' own
+        assert "of disk limit" in disk_part and "file in /dev/shm (tmpfs" in ram_part
+        assert "of ring limit" in ram_part or "of copy limit" in ram_part
     assert "verified: all" in printed
     assert "sizing: I/O depth" in printed and "Engine(..., num_slots=" in printed
     for key, note in extra["notes"].items():
@@ -257,9 +269,9 @@ def test_bench_runs_only_the_peers_asked_for(tmp_path: Path, capsys: pytest.Capt
                  "--no-sweep", "--json", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
-    assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv", "ring ceiling"}
+    assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv", "ring ceiling", "copy ceiling"}
     mine = [r for r in result["rows"] if r["method"] == "uring_kv"]
-    assert mine and all(set(r["ratios"]) <= {"ring ceiling", "pcie ceiling"} for r in mine)
+    assert mine and all(set(r["ratios"]) <= {"ring ceiling", "copy ceiling", "pcie ceiling"} for r in mine)
     assert result["all_verified"] is True and result["idle_loop_lag"]["samples"] > 0
     assert "depth_sweep" not in result["extra"][str(64 << 10)]
     assert "sizing:" not in capsys.readouterr().out

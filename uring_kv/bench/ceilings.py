@@ -3,6 +3,11 @@
 * ``ring ceiling``: a C loop on io_uring with registered buffers at the same depth, no Python.
 * ``fio``: fio's io_uring engine at the same block size, depth and file (O_DIRECT, random
   offsets): the ceiling users already trust, when ``fio`` is on PATH.
+* ``copy ceiling``: the engine's own copy path and nothing else: a batch's blocks moved between
+  staging slots filled beforehand and the cache rows, no file, no ring, no loop. On a GPU that is
+  the staged path (one driver copy per block between pinned slots and device staging, one
+  scatter/gather kernel per call): the H2D (loads) and D2H (stores) ceiling; in CPU mode the
+  memcpy of the host copier. A load cannot go faster than the lower of this and the ring ceiling.
 * ``pcie ceiling``: 1 GiB copies between pinned host memory and the GPU, each way (GPU only).
 
 The depth sweep times the ring ceiling's loads at each of :data:`DEPTHS`; :func:`recommend_depth`
@@ -20,8 +25,9 @@ import time
 
 import torch
 
+from uring_kv import _cuda
 from uring_kv._memory import HostBuffer
-from uring_kv._native import ring_loop
+from uring_kv._native import BlockCopier, ring_loop
 from uring_kv.bench.results import Row, process_cpu_seconds
 
 DEPTHS = (4, 8, 16, 32, 64, 128)  # I/O depths the sizing sweep tries on the ring ceiling
@@ -63,6 +69,59 @@ class RingCeiling:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+class CopyCeiling:
+    """The engine's copy path alone, between ``batch`` staging slots of ``stride`` bytes and the
+    cache tensors ``caches`` (each block of tensor t: ``block_bytes[t]`` bytes at
+    ``slot_offsets[t]`` of its slot, as the engine lays it out). A load's slots are filled from the
+    file before the clock starts, so its rows can be checked like any method's."""
+
+    def __init__(self, caches: list[torch.Tensor], block_bytes: list[int], slot_offsets: list[int], fd: int,
+                 stride: int, batch: int) -> None:
+        self.fd, self.stride = fd, stride
+        self.device = caches[0].device
+        self.blocks = BlockCopier([t.data_ptr() for t in caches], block_bytes, slot_offsets)
+        self.slots = HostBuffer(stride * batch, huge_pages=True)
+        self.addrs = [self.slots.addr + i * stride for i in range(batch)]
+        self.staging: _cuda.Staging | None = None
+        self.registered = False
+        if self.device.type == "cuda":
+            _cuda.host_register(self.slots.addr, self.slots.size)
+            self.registered = True
+            gpu = _cuda.Device(self.device)
+            self.ctx = gpu.context()
+            self.stream = gpu.stream()
+            self.staging = _cuda.Staging(self.device, self.blocks, self.slots.addr, stride, batch,
+                                         self.blocks.bytes_per_block)
+            self.event = _cuda.CudaEvent(self.ctx)
+
+    @property
+    def description(self) -> str:
+        return "staged H2D/D2H copies" if self.staging is not None else "host memcpy"
+
+    def run_measured(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
+        """Seconds and process CPU seconds of one batch's copies (rows to slots for a store)."""
+        addrs = self.addrs[:len(gpu_blocks)]
+        if not store:
+            for addr, block in zip(addrs, disk_blocks, strict=True):
+                view = self.slots.view_at(addr, self.stride)
+                os.preadv(self.fd, [view], block * self.stride)
+                view.release()
+        cpu0 = process_cpu_seconds()
+        start = time.perf_counter()
+        if self.staging is None:
+            self.blocks.host(store, addrs, gpu_blocks)
+        else:
+            self.staging.enqueue(self.ctx, self.event, store, addrs, gpu_blocks, int(self.stream.cuda_stream))
+            self.event.synchronize()
+        return time.perf_counter() - start, process_cpu_seconds() - cpu0
+
+    def close(self) -> None:
+        if self.registered:
+            _cuda.host_unregister(self.slots.addr)
+            self.registered = False
+        self.slots.close()
 
 
 def depth_sweep(fd: int, stride: int, batches: list[list[int]]) -> dict[int, float]:

@@ -141,6 +141,13 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
     if "ceiling" in config.peers:
         ceiling = closing.add(ceilings.RingCeiling(fd, stride, engine.io_depth))
         methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run_measured)
+        try:
+            copies = closing.add(ceilings.CopyCeiling(work.caches, *work.slot_layout(), fd, stride, config.batch))
+        except Exception as exc:  # a GPU where the staged kernel cannot be built (no NVRTC): said, not fatal
+            extra["notes"]["copy ceiling"] = f"left out: {type(exc).__name__}: {exc}"
+        else:
+            extra["notes"]["copy ceiling"] = copies.description
+            methods["copy ceiling"] = functools.partial(_in_thread_timed, copies.run_measured)
 
 
 def _reopenable(fd: int) -> str:

@@ -71,6 +71,12 @@ class Workload:
         self.load_batches = [rng.sample(range(self.num_disk_blocks), config.batch) for _ in range(rounds)]
         self.gpu_order = [rng.sample(range(self.gpu_blocks), config.batch) for _ in range(rounds)]
 
+    def slot_layout(self) -> tuple[list[int], list[int]]:
+        """Each cache tensor's bytes per block and its offset in a block's slot (the engine packs
+        the tensors' pieces in order)."""
+        layers = len(self.caches)
+        return [self.per_layer] * layers, [layer * self.per_layer for layer in range(layers)]
+
     def _pattern(self, disk_blocks: list[int], layer: int) -> torch.Tensor:
         words = self.per_layer // 8
         return identity_words(disk_blocks, layer * words, words, self.device)
