@@ -161,7 +161,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
 const char *ukv_liburing_version(void);
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
-                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed);
+                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
 
 int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,

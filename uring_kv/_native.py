@@ -415,12 +415,15 @@ def dio_alignment(fd: int) -> tuple[int, int] | None:
 
 
 def ring_loop(
-    fd: int, write: bool, depth: int, block_bytes: int, offsets: Sequence[int], buf_addr: int, fixed: bool
+    fd: int, write: bool, depth: int, block_bytes: int, offsets: Sequence[int], buf_addr: int, fixed: bool,
+    async_io: bool = False,
 ) -> int:
-    """Run the C ceiling loop; returns elapsed nanoseconds. ``buf_addr`` holds depth × block_bytes."""
+    """Run the C ceiling loop; returns elapsed nanoseconds. ``buf_addr`` holds depth × block_bytes;
+    ``async_io``: IOSQE_ASYNC on every SQE (the kernel's io-wq workers do the I/O)."""
     arr = ffi.new("uint64_t[]", list(offsets))
     return _check(
-        _lib.ukv_ring_loop(fd, int(write), depth, block_bytes, arr, len(offsets), buf_addr, int(fixed)),
+        _lib.ukv_ring_loop(fd, int(write), depth, block_bytes, arr, len(offsets), buf_addr, int(fixed),
+                           int(async_io)),
         "ring ceiling loop",
     )
 

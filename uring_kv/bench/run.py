@@ -86,7 +86,7 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             methods: dict[str, Method] = {"uring_kv": uring_kv}
             closing = _Closing()
             try:
-                _add_peers(config, work, engine, methods, closing, extra)
+                ring = _add_peers(config, work, engine, methods, closing, extra)
                 if config.checksum:
                     methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
                 ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
@@ -109,6 +109,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                                         0.0, 0.0, 0.0, True))
                 # batches run in native pumps (else in the Python pump), the prefill's included
                 extra[case]["pumped_batches"] = engine.stats()["pumped_batches"]
+                if ring is not None:
+                    extra[case]["ring_ceiling"] = ring.description  # the faster submission mode per operation
             finally:
                 closing.close()
     if "fio" in config.peers and not ceilings.fio_path():
@@ -120,8 +122,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
 
 
 def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dict[str, Method], closing: _Closing,
-               extra: dict[str, Any]) -> None:
-    """The peers asked for, on the engine's file and the bench's caches."""
+               extra: dict[str, Any]) -> ceilings.RingCeiling | None:
+    """The peers asked for, on the engine's file and the bench's caches; the ring ceiling among them."""
     fd, stride = engine.fileno(), engine.stats()["stride"]
     if "vllm-disk" in config.peers:
         vllm = closing.add(peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride))
@@ -139,7 +141,7 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
             extra["notes"]["kvikio"] = f"{config.threads} threads, {kvikio.mode} mode"
             methods[kvikio.name] = functools.partial(_in_thread, kvikio.run)
     if "ceiling" in config.peers:
-        ceiling = closing.add(ceilings.RingCeiling(fd, stride, engine.io_depth))
+        ceiling: ceilings.RingCeiling = closing.add(ceilings.RingCeiling(fd, stride, engine.io_depth))
         methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run_measured)
         try:
             copies = closing.add(ceilings.CopyCeiling(work.caches, *work.slot_layout(), fd, stride, config.batch))
@@ -148,6 +150,8 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
         else:
             extra["notes"]["copy ceiling"] = copies.description
             methods["copy ceiling"] = functools.partial(_in_thread_timed, copies.run_measured)
+        return ceiling
+    return None
 
 
 def _reopenable(fd: int) -> str:

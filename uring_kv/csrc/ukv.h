@@ -270,6 +270,6 @@ void ukv_cuda_stream_drain(uint64_t stream);
 /* ---- ceiling.c --------------------------------------------------------------------------------- */
 
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
-                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed);
+                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
 
 #endif
