@@ -12,6 +12,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from blocks import fill, holds, key, make_caches, poison
 
 from uring_kv import CacheLayout, KeyStore, SyncStore
@@ -26,15 +27,21 @@ def config(master: LocalMaster) -> MooncakeConfig:
                           local_buffer_bytes=4 << 20, staging_rows=4, namespace="keystore")
 
 
+def filled(count: int, tag: str) -> tuple[dict[str, torch.Tensor], list[bytes]]:
+    """Caches whose first ``count`` rows hold the blocks of keys ``key(0, tag)``..., and the keys."""
+    caches = make_caches()
+    keys = [key(i, tag) for i in range(count)]
+    for row, k in enumerate(keys):
+        fill(caches, row, k)
+    return caches, keys
+
+
 def test_a_tiered_put_returns_the_keys_written_and_takes_after(master: LocalMaster, tmp_path: Path) -> None:
     """put returns how many keys the local tier wrote (0 for keys it held: they are only
     refreshed, and not written to Mooncake again); ``after`` is refused before anything is written
     (host caches), and None is taken by every transfer."""
     async def main() -> None:
-        caches = make_caches()
-        keys = [key(i, "after") for i in range(4)]
-        for row, k in enumerate(keys):
-            fill(caches, row, k)
+        caches, keys = filled(4, "after")
         async with TieredStore(caches, tmp_path / "a", 16, remote=config(master)) as store:
             assert isinstance(store, KeyStore)
             with pytest.raises(TypeError, match="only applies to CUDA caches"):
@@ -57,10 +64,7 @@ def test_tiered_pins_hold_local_keys(master: LocalMaster, tmp_path: Path) -> Non
     """A pinned local key is not evicted by puts that fill the local tier (capacity 2: the
     unpinned key goes instead); a key not held gets no pin."""
     async def main() -> None:
-        caches = make_caches()
-        keys = [key(i, "pin") for i in range(4)]
-        for row, k in enumerate(keys):
-            fill(caches, row, k)
+        caches, keys = filled(4, "pin")
         async with TieredStore(caches, tmp_path / "a", 2, remote=config(master)) as store:
             await store.put(keys[:2], range(2))
             handles = store.pin([keys[0], key(99, "pin")])
@@ -78,11 +82,8 @@ def test_the_sync_tiered_store_is_the_one_wrapper(master: LocalMaster, tmp_path:
     """SyncTieredStore is a SyncStore: a get in flight refuses cancel() (its rows stay the call's
     until it ends), put returns the keys written, and dropped without close() it closes both
     tiers and its threads."""
-    caches = make_caches()
+    caches, keys = filled(4, "sync")
     layout = CacheLayout.of(caches)
-    keys = [key(i, "sync") for i in range(4)]
-    for row, k in enumerate(keys):
-        fill(caches, row, k)
     store = SyncTieredStore(layout, tmp_path / "a", 8, remote=config(master), copy_delay=0.05)
     assert isinstance(store, SyncStore) and isinstance(store.store, TieredStore)
     thread, alive = store.thread, weakref.ref(store)
