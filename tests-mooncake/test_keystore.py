@@ -10,11 +10,13 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from blocks import fill, holds, key, make_caches, poison
 
+import uring_kv._layout
 from uring_kv import CacheLayout, KeyStore, SyncStore
 from uring_kv.integrations.mooncake import MooncakeConfig, SyncTieredStore, TieredStore
 from uring_kv.integrations.mooncake_master import LocalMaster
@@ -104,3 +106,21 @@ def test_the_sync_tiered_store_is_the_one_wrapper(master: LocalMaster, tmp_path:
             break
         time.sleep(0.05)
     assert not [t for t in threading.enumerate() if t.name.startswith(("uring-kv-mooncake", "uring-kv-tiered"))]
+
+
+def test_a_tiered_store_checks_its_caches_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its capacity in bytes, its local engine and its remote tier all need the block's bytes:
+    the caches are checked once, and both tiers agree on the block (built only: nothing opens)."""
+    checks: list[Any] = []
+    check = uring_kv._layout.normalise_caches
+
+    def counted(caches: Any) -> tuple[list[str], list[Any]]:
+        checks.append(caches)
+        return check(caches)
+
+    monkeypatch.setattr(uring_kv._layout, "normalise_caches", counted)
+    caches = make_caches()
+    unused = MooncakeConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata")
+    store = TieredStore(caches, tmp_path / "a", capacity_bytes=8 << 12, remote=unused)
+    assert len(checks) == 1
+    assert store.local.capacity == 8 and store.local.engine.layout.block_bytes == store.remote.block_bytes == 2998
