@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -111,16 +111,10 @@ def test_the_sync_tiered_store_is_the_one_wrapper(master: LocalMaster, tmp_path:
 def test_a_tiered_store_checks_its_caches_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its capacity in bytes, its local engine and its remote tier all need the block's bytes:
     the caches are checked once, and both tiers agree on the block (built only: nothing opens)."""
-    checks: list[Any] = []
-    check = uring_kv._layout.normalise_caches
-
-    def counted(caches: Any) -> tuple[list[str], list[Any]]:
-        checks.append(caches)
-        return check(caches)
-
-    monkeypatch.setattr(uring_kv._layout, "normalise_caches", counted)
+    checks = mock.Mock(wraps=uring_kv._layout.normalise_caches)
+    monkeypatch.setattr(uring_kv._layout, "normalise_caches", checks)
     caches = make_caches()
     unused = MooncakeConfig("127.0.0.1:1", "http://127.0.0.1:1/metadata")
     store = TieredStore(caches, tmp_path / "a", capacity_bytes=8 << 12, remote=unused)
-    assert len(checks) == 1
+    assert checks.call_count == 1
     assert store.local.capacity == 8 and store.local.engine.layout.block_bytes == store.remote.block_bytes == 2998

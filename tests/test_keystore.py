@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -131,19 +132,13 @@ def test_a_store_checks_its_caches_once_and_hands_the_layout_down(tmp_path: Path
     """A threaded striped store, sized in bytes and persistent (so its capacity, each stripe's
     engine and each stripe's index all need the geometry): the caches are checked once, and every
     engine holds that one layout."""
-    checks: list[Any] = []
-    check = uring_kv._layout.normalise_caches
-
-    def counted(caches: Any) -> tuple[list[str], list[Any]]:
-        checks.append(caches)
-        return check(caches)
-
-    monkeypatch.setattr(uring_kv._layout, "normalise_caches", counted)
+    checks = mock.Mock(wraps=uring_kv._layout.normalise_caches)
+    monkeypatch.setattr(uring_kv._layout, "normalise_caches", checks)
     caches = id_caches("cpu", blocks=8)
     paths = [tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.bin"]
     with SyncBlockStore(caches, paths, capacity_bytes=6 * 4096, num_slots=1, persistent=True) as synced:
         assert synced.store.capacity == 6
-        assert len(checks) == 1
+        assert checks.call_count == 1
         assert isinstance(synced.store, StripedBlockStore)
         layouts = {id(stripe.engine.layout) for stripe in synced.store.stripes}
         assert len(layouts) == 1 and synced.store.stripes[0].engine.block_bytes == 4 * caches["layer0"][0].nbytes
