@@ -1,16 +1,20 @@
-"""Checking what callers pass: cache tensors, block indices (in steps, for huge batches) and the
-size of a disk; every refusal is one line naming the argument."""
+"""Checking what callers pass: block indices (in steps, for huge batches), the size of a disk, a
+store's capacity, a store call's keys and rows; every refusal is one line naming the argument. (The
+caches themselves are checked once, by ``_layout.CacheLayout``.)"""
 
 from __future__ import annotations
 
 import contextlib
 import operator
 import os
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Generator, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from uring_kv._file import round_up
 from uring_kv._native import block_array, check_blocks, copy_blocks
+
+if TYPE_CHECKING:
+    from uring_kv._layout import CacheLayout
 
 # capacity_bytes counts each block padded to this, the largest I/O alignment usual today: the file
 # (blocks padded to the real alignment, known only once it is open) then fits in capacity_bytes.
@@ -35,7 +39,7 @@ def block_indices(values: Iterable[Any], what: str, limit: int) -> Generator[Non
     if isinstance(values, (str, bytes)):
         raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}")
     try:
-        items = list(values.tolist() if hasattr(values, "tolist") else values)
+        items = as_list(values)
     except TypeError:
         raise TypeError(f"{what} must be a sequence of integers, got {type(values).__name__}") from None
     n = len(items)
@@ -95,40 +99,6 @@ def check_call(disk_blocks: Any, gpu_blocks: Any, after: Any, store: bool, num_d
     return Args(disk, cache, after, disk_c, cache_c)
 
 
-def normalise_caches(caches: Any) -> tuple[list[str], list[Any]]:
-    import torch
-
-    if isinstance(caches, torch.Tensor):
-        raise TypeError("caches must be a mapping name → tensor or a sequence of tensors, not one tensor")
-    if isinstance(caches, Mapping):
-        names, tensors = [str(k) for k in caches], list(caches.values())
-    elif isinstance(caches, Sequence):
-        tensors = list(caches)
-        names = [str(i) for i in range(len(tensors))]
-    else:
-        raise TypeError(f"caches must be a mapping or a sequence of tensors, got {type(caches).__name__}")
-    if not tensors:
-        raise ValueError("caches is empty: at least one tensor is needed")
-    for name, t in zip(names, tensors, strict=True):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"cache {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if t.dim() < 1 or t.shape[0] == 0 or t.numel() == 0:
-            raise ValueError(f"cache {name!r} has no blocks (shape {tuple(t.shape)})")
-        if not t.is_contiguous():  # (a view whose blocks are not one run each, or overlap: as_strided, a slice
-            # of an inner dim, an expanded dim): its block bytes would reach memory it does not own
-            raise ValueError(f"cache {name!r} is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}): "
-                             "each block (dim 0) must be one contiguous run of its own bytes")
-        if t.device != tensors[0].device:
-            raise ValueError(f"cache {name!r} is on {t.device}, cache {names[0]!r} on {tensors[0].device}: "
-                             "all caches must be on one device")
-        if t.shape[0] != tensors[0].shape[0]:
-            raise ValueError(f"cache {name!r} has {t.shape[0]} blocks, cache {names[0]!r} has "
-                             f"{tensors[0].shape[0]}: every cache needs the same number of blocks")
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"cache {name!r} is on {t.device}; only CUDA and CPU tensors are supported")
-    return names, tensors
-
-
 def index_bytes(num_disk_blocks: int) -> int:
     """Memory of the per-disk-block index: two bitmaps (stored; a store's repeat check)."""
     return 2 * 8 * ((num_disk_blocks + 63) // 64)
@@ -148,20 +118,25 @@ def check_disk_size(num_disk_blocks: int, block_bytes: int) -> None:
                          "offset (2**63 - 1)")
 
 
-def capacity_in_blocks(caches: Any, capacity_blocks: int | None, capacity_bytes: int | None) -> int:
+def capacity_in_blocks(layout: CacheLayout, capacity_blocks: int | None, capacity_bytes: int | None) -> int:
     """The capacity given as ``capacity_blocks`` or as ``capacity_bytes`` (one of them), in blocks."""
     if (capacity_blocks is None) == (capacity_bytes is None):
         raise ValueError("give the capacity as capacity_blocks or as capacity_bytes (one of them)")
     if capacity_bytes is not None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
-        _, tensors = normalise_caches(caches)
-        padded = round_up(sum(t.numel() // t.shape[0] * t.element_size() for t in tensors), PAD_FOR_CAPACITY)
+        padded = round_up(layout.block_bytes, PAD_FOR_CAPACITY)
         capacity_blocks = capacity_bytes // padded
         if capacity_blocks < 1:
             raise ValueError(f"capacity_bytes={capacity_bytes} holds no block of {padded} bytes (padded)")
     assert capacity_blocks is not None
     return capacity_blocks
+
+
+def as_list(values: Iterable[Any]) -> list[Any]:
+    """A call's indices (rows, blocks) as a list of their own, as they are now (a tensor or an
+    array through ``tolist``): the caller may reuse what it passed once the call is made."""
+    return list(values.tolist() if hasattr(values, "tolist") else values)
 
 
 def checked_keys(keys: Iterable[bytes]) -> list[bytes]:
@@ -184,7 +159,7 @@ def check_keys_and_rows(keys: Iterable[bytes], rows: Iterable[int], after: Any, 
     if after is not None and not gpu:
         raise TypeError("after= takes a torch.cuda.Event and only applies to CUDA caches")
     key_list = checked_keys(keys)
-    row_list = list(rows.tolist() if hasattr(rows, "tolist") else rows)
+    row_list = as_list(rows)
     if len(key_list) != len(row_list):
         raise ValueError(f"keys has {len(key_list)} entries but rows has {len(row_list)}")
     for position, row in enumerate(row_list):

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
-from uring_kv._args import check_call, check_disk_size, index_bytes, normalise_caches
+from uring_kv._args import check_call, check_disk_size, index_bytes
 from uring_kv._batch import TransferHandle
 from uring_kv._blocks import Contents, HazardTable
 from uring_kv._bridge import Bridge
@@ -28,6 +28,7 @@ from uring_kv._cuda import host_register, host_unregister
 from uring_kv._driver import Driver, Parts, Run
 from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, NativePumps, UringBackend, backend_for, ring_for
+from uring_kv._layout import CacheLayout
 from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._native import BlockCopier, PumpCopies, bitmap
 from uring_kv._plan import Geometry, Plan, make_plan
@@ -49,7 +50,8 @@ class Engine(OpenClose):
     exists at ``path`` is left alone.
     ``caches``: mapping name → tensor (or a sequence of tensors), all on one device, dim 0 the block
     index, each block one contiguous run of its tensor's own bytes. A disk block holds one block
-    of every tensor, padded to the I/O alignment.
+    of every tensor, padded to the I/O alignment. Or a :class:`CacheLayout` made of them (the
+    stores make one and hand it to their engines: the caches are checked once).
     ``num_disk_blocks``: the file's size in blocks. Loading a block that was never stored, or
     whose last store failed, fails that block (``ENODATA``, or the store's errno).
     Use as ``async with Engine(...) as engine`` (or ``await engine.open()`` … ``await engine.aclose()``),
@@ -91,20 +93,13 @@ class Engine(OpenClose):
         if tuning is not None and not isinstance(tuning, Tuning):
             raise TypeError(f"tuning must be a uring_kv.Tuning, got {type(tuning).__name__}")
         self.tuning = tuning if tuning is not None else Tuning.from_env()
-        self.names, self._tensors = normalise_caches(caches)
-        self.device = self._tensors[0].device
-        self.gpu = self.device.type == "cuda"
-        self.num_gpu_blocks = int(self._tensors[0].shape[0])
+        self.layout = layout = CacheLayout.of(caches)
+        self.names = list(layout.names)
+        self.device = layout.device
+        self.gpu = layout.gpu
+        self.num_gpu_blocks = layout.num_rows
         self._seen_gpu = bitmap(self.num_gpu_blocks)  # scratch for the repeat checks of a call
-        # Bytes of one block of each tensor, from its shape: stride(0) overstates it for a tensor of
-        # one block that is a slice (its stride still spans the whole parent's block).
-        self._tensor_block_bytes = [t.numel() // t.shape[0] * t.element_size() for t in self._tensors]
-        offsets, total = [], 0
-        for nbytes in self._tensor_block_bytes:
-            offsets.append(total)
-            total += nbytes
-        self._slot_offsets = offsets
-        self.block_bytes = total
+        self.block_bytes = total = layout.block_bytes
         # Resolved once: a later chdir must not change which directory the file is made in.
         self.path = os.path.abspath(os.fspath(path))
         check_disk_size(num_disk_blocks, total)
@@ -191,7 +186,8 @@ class Engine(OpenClose):
             if self.gpu:
                 host_register(pool.slab.addr, pool.slab.size)
                 self._host_registered = True
-            blocks = BlockCopier([t.data_ptr() for t in self._tensors], self._tensor_block_bytes, self._slot_offsets)
+            layout = self.layout
+            blocks = BlockCopier([t.data_ptr() for t in layout.tensors], layout.tensor_block_bytes, layout.offsets)
             staging, staged_error = (
                 staged_path(self.device, blocks, pool.slab.addr, file.stride, self.num_slots, self.block_bytes)
                 if self.gpu and tuning.cuda_staged else (None, ""))
@@ -219,11 +215,11 @@ class Engine(OpenClose):
                               self._hazards, self._metrics, self._trace)
 
     def _geometry(self, file: BlockFile) -> Geometry:
-        align = file.alignment
+        align, layout = file.alignment, self.layout
         rows_aligned = all(int(t.data_ptr()) % align == 0 and nbytes % align == 0
-                           for t, nbytes in zip(self._tensors, self._tensor_block_bytes, strict=True))
+                           for t, nbytes in zip(layout.tensors, layout.tensor_block_bytes, strict=True))
         return Geometry(gpu=self.gpu, direct=file.direct, stride=file.stride, num_slots=self.num_slots,
-                        io_depth=self.io_depth, tensors=len(self._tensors), block_bytes=self.block_bytes,
+                        io_depth=self.io_depth, tensors=len(layout.tensors), block_bytes=self.block_bytes,
                         rows_aligned=rows_aligned, checksum=self.checksum, slowed=self._copy_delay > 0)
 
     def _native_pumps(self, plan: Plan, uring: UringBackend, blocks: BlockCopier) -> NativePumps:

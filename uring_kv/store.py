@@ -48,9 +48,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from uring_kv._args import capacity_in_blocks, check_keys_and_rows, normalise_caches
+from uring_kv._args import capacity_in_blocks, check_keys_and_rows
 from uring_kv._engine import Engine
 from uring_kv._journal import Journal, Row, failure_errno
+from uring_kv._layout import CacheLayout
 from uring_kv._loop import CallsUnderWay, LoopServices, OpenClose, current_services
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
 
@@ -114,8 +115,9 @@ class BlockStore(OpenClose):
             if engine_options.get("checksum") is False:
                 raise ValueError("a persistent store checks every block's crc32c: checksum=False is refused")
             engine_options.update(checksum=True, keep_file=True)
-        capacity_blocks = capacity_in_blocks(caches, capacity_blocks, capacity_bytes)
-        self.engine = Engine(caches, path, capacity_blocks, num_slots, **engine_options)  # checks the rest
+        layout = CacheLayout.of(caches)  # (checked once: the engine takes it as it is)
+        capacity_blocks = capacity_in_blocks(layout, capacity_blocks, capacity_bytes)
+        self.engine = Engine(layout, path, capacity_blocks, num_slots, **engine_options)  # checks the rest
         self.capacity = capacity_blocks
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # visible keys, least recently used first
         self._writing: dict[bytes, _Entry] = {}  # keys being written: invisible, not evictable
@@ -136,11 +138,8 @@ class BlockStore(OpenClose):
         self._journal: Journal | None = None
         if persistent:
             self._counts.update(restored=0, index_failures=0)
-            names, tensors = normalise_caches(caches)  # each tensor's name, dtype, block shape and bytes
-            layout = [[name, str(t.dtype).removeprefix("torch."), list(t.shape[1:]),
-                       t.numel() // t.shape[0] * t.element_size()] for name, t in zip(names, tensors, strict=True)]
-            self._journal = Journal(self.engine.path + ".index", self.engine.path, self.fsync, fingerprint, layout,
-                                    self.engine.block_bytes)
+            self._journal = Journal(self.engine.path + ".index", self.engine.path, self.fsync, fingerprint,
+                                    layout.geometry(), layout.block_bytes)
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> BlockStore:

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from uring_kv._args import capacity_in_blocks, check_keys_and_rows
+from uring_kv._layout import CacheLayout
 from uring_kv._loop import CallsUnderWay, LoopServices, current_services
 from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError
 from uring_kv.store import BlockStore
@@ -70,14 +71,15 @@ class StripedBlockStore:
             raise ValueError("paths is empty: give one path per file")
         if len(set(resolved)) != len(resolved):
             raise ValueError("a path appears twice in paths")
-        total = capacity_in_blocks(caches, capacity_blocks, capacity_bytes)
+        layout = CacheLayout.of(caches)  # checked once, for every stripe
+        total = capacity_in_blocks(layout, capacity_blocks, capacity_bytes)
         count = len(resolved)
         if total < count:
             raise ValueError(f"a capacity of {total} blocks cannot give each of the {count} files a block")
         shares = [total // count + (position < total % count) for position in range(count)]
         self.capacity = total
         self.persistent = persistent
-        self.stripes = [BlockStore(caches, path, share, num_slots, persistent=persistent, fsync=fsync,
+        self.stripes = [BlockStore(layout, path, share, num_slots, persistent=persistent, fsync=fsync,
                                    fingerprint=f"{fingerprint} (stripe {position + 1} of {count})" if persistent
                                    else fingerprint, **engine_options)
                         for position, (path, share) in enumerate(zip(resolved, shares, strict=True))]

@@ -1,4 +1,6 @@
-"""The block store for threaded callers: a private event loop on its own thread, callable from any thread.
+"""Key stores for threaded callers: any :class:`uring_kv.KeyStore` on a private event loop on its own
+thread, callable from any thread (:class:`SyncStore`, the one wrapper; :class:`SyncBlockStore` is it
+over a ``BlockStore``, the Mooncake ``SyncTieredStore`` over a ``TieredStore``).
 
 Serving frameworks call their KV tiers from their own threads, often under a lock they hold for the
 whole call, and poll for completions. So nothing here waits for I/O unless asked to:
@@ -25,15 +27,18 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import CancelledError, Future
-from typing import Any, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
+from uring_kv._args import as_list
 from uring_kv.errors import EngineClosedError
+from uring_kv.keystore import KeyStore
 from uring_kv.store import BlockStore
 from uring_kv.striped import StripedBlockStore
 
 T = TypeVar("T")
+S = TypeVar("S", bound=KeyStore)
 
 
 class LoopThread:
@@ -136,49 +141,47 @@ class LoopThread:
         self._thread.join()
 
 
-class SyncBlockStore:
-    """A :class:`uring_kv.BlockStore` on a private event-loop thread, callable from any thread.
+class SyncStore(Generic[S]):
+    """Any :class:`uring_kv.KeyStore` (``store``, not yet opened) on a private event-loop thread,
+    callable from any thread.
 
-    Takes the arguments of :class:`BlockStore` (``path`` a list or tuple of paths: a
-    :class:`uring_kv.StripedBlockStore` over those files, one per drive) and opens it before returning (raising what
-    ``open()`` raised, with no thread left behind). ``submit_put`` / ``submit_get`` never block:
-    they return a ``concurrent.futures.Future`` whose result is None or whose exception is the one
-    the store's call raised (:class:`KeyMissingError`, :class:`KeyIOError`, ...). Its callbacks run
-    on the store's thread and must not block. ``contains`` / ``lookup`` / ``stats`` answer from the
-    caller's thread without waiting for the loop. The cache rows a call names must stay untouched
-    (and alive) until its future completes; the future refuses ``cancel()`` (see
-    :meth:`LoopThread.submit`), so that moment is always the call's end.
+    It opens the store on its thread before returning (raising what ``open()`` raised, with no
+    thread left behind; TypeError if ``store`` is not a ``KeyStore``). ``submit_put`` /
+    ``submit_get`` / ``submit_get_present`` never block: they return a
+    ``concurrent.futures.Future`` whose result is the store call's (the keys written, None, the
+    keys loaded) or whose exception is the one it raised (:class:`KeyMissingError`,
+    :class:`KeyIOError`, ...). Its callbacks run on the store's thread and must not block.
+    ``contains`` / ``lookup`` / ``stats`` answer from the caller's thread without waiting for the
+    loop. The cache rows a call names must stay untouched (and alive) until its future completes;
+    the future refuses ``cancel()`` (see :meth:`LoopThread.submit`), so that moment is always the
+    call's end.
 
     ``close()`` (or leaving ``with``) refuses new calls, lets every call submitted before it finish
-    (each future gets its result, or an error saying the store closed), closes the store (the file
-    goes with it) and joins the thread. One thread per store."""
+    (each future gets its result, or an error saying the store closed), closes the store and joins
+    the thread. Dropped without ``close()``, it is closed all the same (what is in flight finishes
+    first). One thread per store. :class:`SyncBlockStore` and the Mooncake ``SyncTieredStore``
+    are this over the stores they build."""
 
-    def __init__(self, caches: Any, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                 capacity_blocks: int | None = None, num_slots: int = 16, *, capacity_bytes: int | None = None,
-                 **engine_options: Any) -> None:
-        self.store: BlockStore | StripedBlockStore
-        if isinstance(path, (list, tuple)):
-            self.store = StripedBlockStore(caches, path, capacity_blocks, num_slots, capacity_bytes=capacity_bytes,
-                                           **engine_options)
-        else:
-            self.store = BlockStore(caches, path, capacity_blocks, num_slots,  # type: ignore[arg-type]
-                                    capacity_bytes=capacity_bytes, **engine_options)
+    def __init__(self, store: S, *, thread_name: str = "uring-kv-store") -> None:
+        if not isinstance(store, KeyStore):
+            raise TypeError(f"SyncStore takes a uring_kv.KeyStore, got {type(store).__name__}")
+        self.store: S = store
         self._lock = threading.Lock()  # held only to check-and-submit, never across a wait
         self._closing = False
         self._close_lock = threading.Lock()  # held through close(): a second close() waits for the first
-        self._loop = LoopThread(name="uring-kv-store")
+        self._loop = LoopThread(name=thread_name)
         try:
-            self._loop.run(self.store.open())
+            self._loop.run(store.open())
         except BaseException:
             with contextlib.suppress(Exception):
-                self._loop.run(self.store.aclose())
+                self._loop.run(store.aclose())
             self._loop.close()
             raise
         # Dropped without close(): close it then (what is in flight finishes first), so that no
         # thread, fd or reference to the caller's cache memory outlives the object.
-        self._finalizer = weakref.finalize(self, _close_abandoned, self._loop, self.store)
+        self._finalizer = weakref.finalize(self, _close_abandoned, self._loop, store)
 
-    def __enter__(self) -> SyncBlockStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -204,27 +207,21 @@ class SyncBlockStore:
         return self.store.lookup(keys)
 
     def stats(self) -> dict[str, int]:
-        """:meth:`BlockStore.stats`; never waits."""
+        """The store's ``stats()``; never waits."""
         return self.store.stats()
 
     # ----------------------------------------------------------------- submitted to the loop
     def submit_put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[int]:
-        """:meth:`BlockStore.put` on the store's loop; returns its future (the keys written) at once."""
-        with self._lock:
-            self._check_open()
-            return self._loop.submit(self.store.put(list(keys), _rows(rows), after))
+        """The store's ``put`` on its loop; returns its future (the keys written) at once."""
+        return self._submit(self.store.put, keys, rows, after)
 
     def submit_get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[None]:
-        """:meth:`BlockStore.get` on the store's loop; returns its future at once."""
-        with self._lock:
-            self._check_open()
-            return self._loop.submit(self.store.get(list(keys), _rows(rows), after))
+        """The store's ``get`` on its loop; returns its future at once."""
+        return self._submit(self.store.get, keys, rows, after)
 
     def submit_get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[list[bytes]]:
-        """:meth:`BlockStore.get_present` on the store's loop; returns its future at once."""
-        with self._lock:
-            self._check_open()
-            return self._loop.submit(self.store.get_present(list(keys), _rows(rows), after))
+        """The store's ``get_present`` on its loop; returns its future (the keys loaded) at once."""
+        return self._submit(self.store.get_present, keys, rows, after)
 
     def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> int:
         """``submit_put(...).result(timeout)``: waits for the keys to be written (not from the
@@ -259,18 +256,54 @@ class SyncBlockStore:
             finally:
                 self._loop.close()
 
+    def _submit(self, call: Callable[..., Coroutine[Any, Any, T]], keys: Iterable[bytes], *args: Any) -> Future[T]:
+        """``call(keys, *args)`` on the loop (keys as a list; rows, the second of a transfer's
+        arguments, as they are now: the caller may reuse its list), unless closed."""
+        if args:
+            args = (as_list(args[0]), *args[1:])
+        with self._lock:
+            self._check_open()
+            return self._loop.submit(call(list(keys), *args))
+
+    def _wait(self, call: Callable[..., Coroutine[Any, Any, T]], keys: Iterable[bytes], *args: Any) -> T:
+        """``_submit(...)``, waited for (not from the store's own thread)."""
+        self._check_waitable()
+        return self._submit(call, keys, *args).result()
+
     def _check_open(self) -> None:
         if self._closing:
-            raise EngineClosedError("SyncBlockStore is closed")
+            raise EngineClosedError(f"{type(self).__name__} is closed")
 
     def _check_waitable(self) -> None:
         if self._loop.in_thread():
-            raise RuntimeError("a blocking SyncBlockStore call on the store's own thread would wait for itself; "
-                               "use submit_put/submit_get there")
+            raise RuntimeError(f"a blocking {type(self).__name__} call on the store's own thread would wait for "
+                               "itself; use submit_put/submit_get there")
 
 
-def _close_abandoned(loop: LoopThread, store: BlockStore | StripedBlockStore) -> None:
-    """A SyncBlockStore's finalizer: close its store and its thread. On that thread (the last
+class SyncBlockStore(SyncStore[BlockStore | StripedBlockStore]):
+    """A :class:`uring_kv.BlockStore` on a private event-loop thread, callable from any thread: a
+    :class:`SyncStore` (its calls, futures, lookups and closing) over the store it builds.
+
+    Takes the arguments of :class:`BlockStore` (``path`` a list or tuple of paths: a
+    :class:`uring_kv.StripedBlockStore` over those files, one per drive) and opens it before
+    returning (raising what ``open()`` raised, with no thread left behind). ``close()`` closes the
+    store, and the file goes with it. One thread per store."""
+
+    def __init__(self, caches: Any, path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                 capacity_blocks: int | None = None, num_slots: int = 16, *, capacity_bytes: int | None = None,
+                 **engine_options: Any) -> None:
+        store: BlockStore | StripedBlockStore
+        if isinstance(path, (list, tuple)):
+            store = StripedBlockStore(caches, path, capacity_blocks, num_slots, capacity_bytes=capacity_bytes,
+                                      **engine_options)
+        else:
+            store = BlockStore(caches, path, capacity_blocks, num_slots,  # type: ignore[arg-type]
+                               capacity_bytes=capacity_bytes, **engine_options)
+        super().__init__(store, thread_name="uring-kv-store")
+
+
+def _close_abandoned(loop: LoopThread, store: KeyStore) -> None:
+    """A SyncStore's finalizer: close its store and its thread. On that thread (the last
     reference went in a callback there) it cannot wait: the loop closes the store next, then stops."""
     if loop.in_thread():
         loop.finish_soon(store.aclose())
@@ -288,8 +321,3 @@ def _settle(future: Future[Any], task: asyncio.Future[Any]) -> None:
         future.set_exception(error)
     else:
         future.set_result(task.result())
-
-
-def _rows(rows: Iterable[int]) -> list[int]:
-    """The rows as they are when the call is submitted (the caller may reuse its list)."""
-    return list(rows.tolist() if hasattr(rows, "tolist") else rows)

@@ -23,18 +23,18 @@ docs/distributed.md for topology, consistency and failure behaviour.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from uring_kv._args import check_keys_and_rows
+from uring_kv._layout import CacheLayout
 from uring_kv._loop import OpenClose
-from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError
+from uring_kv.errors import KeyIOError, KeyMissingError
 from uring_kv.integrations.mooncake_config import MooncakeConfig, MooncakeError
 from uring_kv.integrations.mooncake_remote import MooncakeTier, StoreJob
 from uring_kv.store import BlockStore
-from uring_kv.sync import LoopThread
+from uring_kv.sync import SyncStore
 
 __all__ = ["MooncakeConfig", "MooncakeError", "MooncakeTier", "SyncTieredStore", "TieredStore"]
 
@@ -57,8 +57,9 @@ class TieredStore(OpenClose):
                  **engine_options: Any) -> None:
         if write not in WRITE_MODES:
             raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
-        self.remote = MooncakeTier(caches, remote, client=mooncake_client)  # refuses CUDA caches first
-        self.local = BlockStore(caches, path, capacity_blocks, num_slots, capacity_bytes=capacity_bytes,
+        layout = CacheLayout.of(caches)  # checked once, for both tiers
+        self.remote = MooncakeTier(layout, remote, client=mooncake_client)  # refuses CUDA caches first
+        self.local = BlockStore(layout, path, capacity_blocks, num_slots, capacity_bytes=capacity_bytes,
                                 **engine_options)
         self.write = write
         self.promote = promote
@@ -115,13 +116,23 @@ class TieredStore(OpenClose):
         remote = {f"remote_{name}": value for name, value in self.remote.stats().items()}
         return {**self.local.stats(), **remote, **self._counts}
 
+    # ----------------------------------------------------------------- pins (the loop)
+    def pin(self, keys: Iterable[bytes]) -> list[Any]:
+        """:meth:`BlockStore.pin` in the local tier (a remote key cannot be pinned: None)."""
+        return self.local.pin(keys)
+
+    def unpin(self, handles: Iterable[Any]) -> None:
+        """:meth:`BlockStore.unpin` in the local tier."""
+        self.local.unpin(handles)
+
     # ----------------------------------------------------------------- transfers (the loop)
-    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int]) -> list[bytes]:
+    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
         """Load what either tier holds of ``keys`` into ``rows``; returns the keys now in their
         rows (call order). The local tier answers first; its misses are fetched from Mooncake,
         checked, copied into their rows and (``promote``) written into the local tier before
-        this returns. A key neither tier could give is left out; its row is left as it was."""
-        key_list, row_list = _lists(keys, rows)
+        this returns. A key neither tier could give is left out; its row is left as it was.
+        ``after``: as for :meth:`BlockStore.get` (host caches: always None)."""
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
         present = set(await self.local.get_present(key_list, row_list))
         missing = [(key, row) for key, row in zip(key_list, row_list, strict=True) if key not in present]
         if missing:
@@ -132,28 +143,28 @@ class TieredStore(OpenClose):
                     await self._promote(fetched, missing)
         return [key for key in key_list if key in present]
 
-    async def get(self, keys: Iterable[bytes], rows: Iterable[int]) -> None:
+    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
         """:meth:`get_present`, then :class:`KeyMissingError` naming the keys neither tier gave
         (the other rows hold their keys' bytes)."""
-        key_list, row_list = _lists(keys, rows)
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
         loaded = set(await self.get_present(key_list, row_list))
         if missing := [key for key in key_list if key not in loaded]:
             raise KeyMissingError(missing)
 
-    async def put(self, keys: Iterable[bytes], rows: Iterable[int]) -> None:
+    async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> int:
         """Store row ``rows[i]`` under ``keys[i]`` in the local tier, and in Mooncake for the keys
-        the local tier did not hold (see ``write``). Raises what :meth:`BlockStore.put` raises
-        (:class:`KeyIOError` for keys the local tier could not store); a remote failure is only
-        counted. With ``write="back"`` the remote writes go on after it returns."""
-        key_list, row_list = _lists(keys, rows)
-        if len(set(key_list)) != len(key_list):
-            raise ValueError("a key appears twice in one put")
+        the local tier did not hold (see ``write``); returns how many keys the local tier wrote
+        (as :meth:`BlockStore.put`: a key it held already is only refreshed). Raises what
+        :meth:`BlockStore.put` raises (:class:`KeyIOError` for keys the local tier could not
+        store); a remote failure is only counted. With ``write="back"`` the remote writes go on
+        after it returns. ``after``: as for :meth:`BlockStore.put` (host caches: always None)."""
+        key_list, row_list = self._arguments(keys, rows, after, unique_keys=True)
         fresh = [(key, row) for key, row in zip(key_list, row_list, strict=True) if not self.local.contains(key)]
         job: StoreJob | None = None
         if fresh:
             job = await self.remote.begin_store([key for key, _ in fresh], [row for _, row in fresh])
         try:
-            await self.local.put(key_list, row_list)
+            written = await self.local.put(key_list, row_list)
         except BaseException:
             if job is not None:
                 job.detach()
@@ -163,6 +174,11 @@ class TieredStore(OpenClose):
                 await job.wait()
             else:
                 job.detach()
+        return written
+
+    def _arguments(self, keys: Iterable[bytes], rows: Iterable[int], after: Any,
+                   unique_keys: bool) -> tuple[list[bytes], list[int]]:
+        return check_keys_and_rows(keys, rows, after, False, self.remote.num_rows, unique_keys)
 
     async def _promote(self, fetched: list[bytes], missing: list[tuple[bytes, int]]) -> None:
         rows: dict[bytes, int] = {}
@@ -179,90 +195,22 @@ class TieredStore(OpenClose):
             self._counts["remote_hits_promoted"] += len(rows)
 
 
-class SyncTieredStore:
-    """A :class:`TieredStore` on a private event-loop thread, callable from any thread.
+class SyncTieredStore(SyncStore[TieredStore]):
+    """A :class:`TieredStore` on a private event-loop thread, callable from any thread: a
+    :class:`uring_kv.SyncStore` over the store it builds.
 
     Takes :class:`TieredStore`'s arguments and opens it before returning (raising what ``open()``
     raised, with no thread left behind). ``put``/``get``/``get_present``/``lookup_shared`` block
-    until done (not from the store's own thread); ``contains``/``lookup``/``stats`` answer from
-    the caller's thread. ``close()`` (or leaving ``with``) finishes what was submitted, closes both
-    tiers and joins the thread."""
+    until done (not from the store's own thread), ``submit_put``/``submit_get``/``submit_get_present``
+    return a future at once; ``contains``/``lookup``/``stats`` answer from the caller's thread.
+    ``close()`` (or leaving ``with``) finishes what was submitted, closes both tiers and joins the
+    thread."""
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], capacity_blocks: int | None = None,
                  num_slots: int = 16, **options: Any) -> None:
-        self.store = TieredStore(caches, path, capacity_blocks, num_slots, **options)
-        self._loop = LoopThread(name="uring-kv-tiered")
-        try:
-            self._loop.run(self.store.open())
-        except BaseException:
-            self._loop.close()
-            raise
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _close_abandoned, self._loop, self.store)
-
-    def __enter__(self) -> SyncTieredStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def contains(self, key: bytes) -> bool:
-        return self.store.contains(key)
-
-    def lookup(self, keys: Iterable[bytes]) -> int:
-        return self.store.lookup(keys)
-
-    def stats(self) -> dict[str, int]:
-        return self.store.stats()
+        store = TieredStore(caches, path, capacity_blocks, num_slots, **options)
+        super().__init__(store, thread_name="uring-kv-tiered")
 
     def lookup_shared(self, keys: Sequence[bytes]) -> int:
         """:meth:`TieredStore.lookup_shared`, waited for."""
-        count: int = self._run(self.store.lookup_shared(list(keys)))
-        return count
-
-    def put(self, keys: Iterable[bytes], rows: Iterable[int]) -> None:
-        """:meth:`TieredStore.put`, waited for."""
-        self._run(self.store.put(*_lists(keys, rows)))
-
-    def get(self, keys: Iterable[bytes], rows: Iterable[int]) -> None:
-        """:meth:`TieredStore.get`, waited for."""
-        self._run(self.store.get(*_lists(keys, rows)))
-
-    def get_present(self, keys: Iterable[bytes], rows: Iterable[int]) -> list[bytes]:
-        """:meth:`TieredStore.get_present`, waited for."""
-        loaded: list[bytes] = self._run(self.store.get_present(*_lists(keys, rows)))
-        return loaded
-
-    def close(self) -> None:
-        """Close both tiers and join the thread; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        try:
-            self._loop.run(self.store.aclose())
-        finally:
-            self._loop.close()
-
-    def _run(self, coro: Any) -> Any:
-        if self._closed:
-            coro.close()
-            raise EngineClosedError("SyncTieredStore is closed")
-        return self._loop.run(coro)
-
-
-def _close_abandoned(loop: LoopThread, store: TieredStore) -> None:
-    """The finalizer: close the store and its thread; on that thread (it cannot wait there) the
-    loop closes the store next, then stops."""
-    if loop.in_thread():
-        loop.finish_soon(store.aclose())
-        return
-    with contextlib.suppress(Exception):
-        loop.run(store.aclose())
-    loop.close()
-
-
-def _lists(keys: Iterable[bytes], rows: Iterable[int]) -> tuple[list[bytes], list[int]]:
-    if isinstance(keys, (bytes, bytearray, str)):
-        raise TypeError("keys must be a sequence of keys (bytes), not one key")
-    return list(keys), [int(row) for row in (rows.tolist() if hasattr(rows, "tolist") else rows)]
+        return self._wait(self.store.lookup_shared, keys)

@@ -43,7 +43,8 @@ from urllib.parse import urlsplit
 
 import crc32c
 
-from uring_kv._args import checked_keys, normalise_caches
+from uring_kv._args import as_list, checked_keys
+from uring_kv._layout import CacheLayout
 from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._memory import HostBuffer
 from uring_kv._native import BlockCopier
@@ -71,7 +72,8 @@ log = logging.getLogger("uring_kv.mooncake")
 
 class MooncakeTier(OpenClose):
     """Cache rows ↔ values in a Mooncake cluster, for one layout of CPU caches (see the module
-    docstring). ``caches``: as for :class:`uring_kv.BlockStore` (host tensors; dim 0 = row).
+    docstring). ``caches``: as for :class:`uring_kv.BlockStore` (host tensors; dim 0 = row), or
+    their :class:`uring_kv.CacheLayout`.
 
     ``await open()`` sets the client up and registers the staging rows (MooncakeError if it
     cannot); then, on that loop, :meth:`fetch` loads keys into rows, :meth:`begin_store` writes
@@ -81,20 +83,19 @@ class MooncakeTier(OpenClose):
     instead of making one (tests)."""
 
     def __init__(self, caches: Any, config: MooncakeConfig, *, client: Any = None) -> None:
-        _, tensors = normalise_caches(caches)
-        if tensors[0].device.type != "cpu":
-            raise ValueError(f"MooncakeTier takes host (CPU) caches; these are on {tensors[0].device}")
+        layout = CacheLayout.of(caches)
+        if layout.device.type != "cpu":
+            raise ValueError(f"MooncakeTier takes host (CPU) caches; these are on {layout.device}")
         self.config = config
-        self._tensors = tensors  # kept alive: the copier holds their addresses
-        tensor_bytes: list[int] = [int(t.numel() // t.shape[0] * t.element_size()) for t in tensors]
-        offsets = [sum(tensor_bytes[:i]) for i in range(len(tensor_bytes))]
-        self.block_bytes = sum(tensor_bytes)
+        self._layout = layout  # keeps the tensors alive: the copier holds their addresses
+        tensor_bytes = list(layout.tensor_block_bytes)
+        self.block_bytes = layout.block_bytes
         self.value_bytes = self.block_bytes + TRAILER.size
-        self.num_rows = int(tensors[0].shape[0])
+        self.num_rows = layout.num_rows
         self._stride = -(-self.value_bytes // PAGE) * PAGE
-        self._copier = BlockCopier([t.data_ptr() for t in tensors], tensor_bytes, offsets)
-        layout = crc32c.crc32c(repr(tensor_bytes).encode())
-        self.prefix = f"{config.namespace}/{self.block_bytes}-{layout:08x}/"
+        self._copier = BlockCopier([t.data_ptr() for t in layout.tensors], tensor_bytes, layout.offsets)
+        layout_crc = crc32c.crc32c(repr(tensor_bytes).encode())
+        self.prefix = f"{config.namespace}/{self.block_bytes}-{layout_crc:08x}/"
         self._client = client
         self._own_client = client is None
         self._executor: ThreadPoolExecutor | None = None
@@ -421,7 +422,7 @@ class MooncakeTier(OpenClose):
         if self._state != "open":
             raise EngineClosedError(f"Mooncake tier is {self._state}")
         key_list = checked_keys(keys)
-        row_list = [int(row) for row in (rows.tolist() if hasattr(rows, "tolist") else rows)]
+        row_list = [int(row) for row in as_list(rows)]
         if len(key_list) != len(row_list):
             raise ValueError(f"keys has {len(key_list)} entries but rows has {len(row_list)}")
         if bad := [row for row in row_list if not 0 <= row < self.num_rows]:
