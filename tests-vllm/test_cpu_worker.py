@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from uring_kv.integrations.vllm_cpu import CPUTieringOffloadingSpec, HostCopyWorker
+from uring_kv.integrations.vllm.cpu import CPUTieringOffloadingSpec, HostCopyWorker
 
 BLOCKS, CHUNKS = 16, 12
 

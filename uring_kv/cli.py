@@ -173,7 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_vllm(args: argparse.Namespace) -> int:
-    from uring_kv.integrations import vllm_bench
+    from uring_kv.integrations.vllm import bench as vllm_bench
 
     for size in args.row_size or []:
         if size % 4096:
@@ -185,7 +185,7 @@ def _bench_vllm(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from uring_kv.integrations import vllm_serve_bench
+    from uring_kv.integrations.vllm import serve_bench as vllm_serve_bench
 
     longest = max(args.prefix + 16, args.document + args.turns * 80) + 16
     if longest > (args.engine_blocks - 1) * vllm_serve_bench.BLOCK:  # (vLLM keeps a block back)
@@ -199,7 +199,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_lmcache(args: argparse.Namespace) -> int:
-    from uring_kv.integrations import lmcache_bench
+    from uring_kv.integrations.lmcache import bench as lmcache_bench
 
     for size in args.chunk_size or []:
         if size % 4096:
@@ -229,7 +229,7 @@ def _bench_striped(args: argparse.Namespace, block_sizes: list[int], device: Any
 def _bench_mooncake(args: argparse.Namespace) -> int:
     import importlib.util
 
-    from uring_kv.integrations import mooncake_bench
+    from uring_kv.integrations.mooncake import bench as mooncake_bench
 
     if importlib.util.find_spec("mooncake") is None:
         raise UsageError("needs Mooncake: pip install 'uring-kv[mooncake]' (and the libibverbs1 system package)")
@@ -243,7 +243,7 @@ def _bench_mooncake(args: argparse.Namespace) -> int:
 
 
 def _bench_sglang(args: argparse.Namespace) -> int:
-    from uring_kv.integrations import sglang_bench
+    from uring_kv.integrations.sglang import bench as sglang_bench
 
     for size in args.page_bytes or []:
         if size % 4096:

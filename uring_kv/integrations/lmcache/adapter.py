@@ -57,7 +57,7 @@ from lmcache.v1.platform import create_event_notifier
 from uring_kv._file import refuse_beyond_free_space, size_text
 from uring_kv._memory import view_of
 from uring_kv.errors import KeyIOError
-from uring_kv.integrations.lmcache_config import STORE_OPTIONS, UringKVL2AdapterConfig
+from uring_kv.integrations.lmcache.config import STORE_OPTIONS, UringKVL2AdapterConfig
 from uring_kv.store import BlockStore
 from uring_kv.striped import StripedBlockStore
 from uring_kv.sync import LoopThread

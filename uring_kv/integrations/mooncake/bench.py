@@ -73,7 +73,7 @@ def _row(method: str, block_bytes: int, times: list[float], blocks: int, verifie
 
 async def _size(block_bytes: int, batch: int, total_bytes: int, path: str, remote: Any,
                 progress: Any) -> list[Result]:
-    from uring_kv.integrations.mooncake import TieredStore
+    from uring_kv.integrations.mooncake.tiered import TieredStore
 
     blocks = max(2 * batch, total_bytes // block_bytes // batch * batch)
     rounds = blocks // batch
@@ -160,8 +160,8 @@ async def _raw(reader: Any, block_bytes: int, batch: int, rounds: int) -> Result
 def bench_mooncake(block_sizes: list[int], batch: int, total_bytes: int, path: str | None,
                    json_path: str | None) -> int:
     """Run the bench (see the module docstring); print the table; the exit status."""
-    from uring_kv.integrations.mooncake import MooncakeConfig
-    from uring_kv.integrations.mooncake_master import LocalMaster, StoreNode
+    from uring_kv.integrations.mooncake.config import MooncakeConfig
+    from uring_kv.integrations.mooncake.local import LocalMaster, StoreNode
 
     progress = progress_printer("bench-mooncake")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")

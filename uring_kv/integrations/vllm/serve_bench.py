@@ -9,10 +9,10 @@ the worker in processes of their own) on the same model, prompts and disk:
 * ``uring_kv``: the same with ``UringKVTier`` (one file, io_uring, O_DIRECT where the filesystem
   takes it).
 
-Both tiers sit under :class:`uring_kv.integrations.vllm_timed.TimedTier`, which times each
+Both tiers sit under :class:`uring_kv.integrations.vllm.timed.TimedTier`, which times each
 promotion from vLLM's first lookup of one of its chunks to the poll that reports it done.
 
-The model is a random Llama built here (:data:`uring_kv.integrations.vllm_model.BENCH_SHAPE`,
+The model is a random Llama built here (:data:`uring_kv.integrations.vllm.model.BENCH_SHAPE`,
 92M parameters, float32: about 3 s to prefill 1,000 tokens on one core), so recomputing is not
 free. The engine keeps ``--engine-blocks`` blocks of KV and the primary region as many chunks;
 prompts are token ids. Two workloads:
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from uring_kv.bench.results import percentile, progress_printer
-from uring_kv.integrations.vllm_model import BENCH_SHAPE, LlamaShape, build_llama
+from uring_kv.integrations.vllm.model import BENCH_SHAPE, LlamaShape, build_llama
 
 CONFIGS = ("recompute", "fs", "uring_kv")
 #: --shape: the bench's model, or the tests' tiny one (a quick run that checks the bench itself)
@@ -109,9 +109,9 @@ def _kv_config(config: str, root: str, record: str, args: argparse.Namespace, ch
         {"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm", "root_dir": root,
          "capacity_bytes": 2 * (tokens // BLOCK + 1) * chunk_bytes})
     return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config={
-        "spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "uring_kv.integrations.vllm_cpu",
+        "spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "uring_kv.integrations.vllm.cpu",
         "cpu_bytes_to_use": args.engine_blocks * chunk_bytes,
-        "secondary_tiers": [{"type": "TimedTier", "module_path": "uring_kv.integrations.vllm_timed",
+        "secondary_tiers": [{"type": "TimedTier", "module_path": "uring_kv.integrations.vllm.timed",
                              "record": record, "inner": inner}]})
 
 
@@ -320,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             progress(f"{config}: starting an engine")
             # -P: the installed package, never a source tree that happens to be the working directory
-            done = subprocess.run([sys.executable, "-P", "-m", "uring_kv.integrations.vllm_serve_bench", config,
+            done = subprocess.run([sys.executable, "-P", "-m", "uring_kv.integrations.vllm.serve_bench", config,
                                    model, directory, out, json.dumps(options)])
             if done.returncode:
                 print(f"uring-kv bench-serve: the {config} run failed ({done.returncode})", file=sys.stderr)

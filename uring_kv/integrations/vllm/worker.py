@@ -8,7 +8,7 @@ medium by the keys of an ``FSLoadStoreSpec`` and keep a file per key; :class:`Ur
 the same specs and keeps every key's blocks in one file per KV-cache group through a
 :class:`uring_kv.BlockStore` in GPU mode: io_uring between the file and pinned staging slots, CUDA
 copies between the slots and vLLM's KV tensors, a hard capacity with LRU eviction. What it rests on
-is in :mod:`uring_kv.integrations.vllm_rows`.
+is in :mod:`uring_kv.integrations.vllm.rows`.
 
 Build it where vLLM builds its worker (``OffloadingSpec.get_worker(kv_caches)``)::
 
@@ -27,7 +27,7 @@ from typing import Any
 from vllm.v1.kv_offload.base import DevicePointers, LoadStoreSpec, OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.fs.worker import FSLoadStoreSpec
 
-from uring_kv.integrations.vllm_rows import Job, KeyedRows
+from uring_kv.integrations.vllm.rows import Job, KeyedRows
 
 
 class UringKVWorker(OffloadingWorker):  # type: ignore[misc]
