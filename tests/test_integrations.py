@@ -89,13 +89,15 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_framework_packages_import_no_framework() -> None:
-    """Their configuration paths and benches import nothing of vLLM, SGLang, LMCache or Mooncake
-    until an adapter's name is used (this environment has none of them)."""
+    """Their configuration paths and benches (which ``uring-kv`` imports to register their commands)
+    import nothing of vLLM, SGLang, LMCache, Mooncake or torch until an adapter's name is used or a
+    bench runs (this environment has none of the frameworks)."""
     done = _run("import sys, uring_kv.cli, uring_kv.integrations.config\n"
                 "for f in ('vllm', 'sglang', 'lmcache', 'mooncake'):\n"
                 "    __import__(f'uring_kv.integrations.{f}')\n"
                 "    __import__(f'uring_kv.integrations.{f}.bench')\n"
-                "print(sorted({'vllm', 'sglang', 'lmcache', 'mooncake', 'mooncake.store'} & set(sys.modules)))\n"
+                "heavy = {'vllm', 'sglang', 'lmcache', 'mooncake', 'mooncake.store', 'torch'}\n"
+                "print(sorted(heavy & set(sys.modules)))\n"
                 "import uring_kv.integrations.vllm as v\n"
                 "try:\n"
                 "    v.UringKVTier\n"

@@ -392,6 +392,19 @@ class MooncakeTier(OpenClose):
         assert self._staging is not None
         return self._staging.addr + row * self._stride
 
+    async def client_get_into(self, names: list[str], rows: list[int]) -> list[int]:
+        """The Mooncake client's ``batch_get_into`` alone: ``names`` (as :meth:`remote_key` makes
+        them) into staging ``rows`` the caller holds (from :attr:`rows`), on the worker thread, with
+        no checksum, no copy and no counts; the client's answer (bytes, or a negative error code,
+        per name). What the tier adds to the client is measured against it (``uring-kv
+        bench-mooncake``)."""
+        return list(await self.svc.wait(self._submit(self._client_get_into, names, rows)))
+
+    def _client_get_into(self, names: list[str], rows: list[int]) -> list[int]:
+        """(worker) See :meth:`client_get_into`."""
+        return list(self._client.batch_get_into(names, [self._row_addr(row) for row in rows],
+                                                [self.value_bytes] * len(names)))
+
     def _get_into(self, names: list[str], staging: list[int]) -> list[int]:
         """(worker) Fetch the values into the rows and check each one."""
         assert self._staging is not None

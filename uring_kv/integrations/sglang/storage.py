@@ -196,6 +196,12 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         raise NotImplementedError('UringKVHiCacheStorage serves the zero-copy calls only ("interface_v1": 1)')
 
     # ---------------------------------------------------------------- end
+    @property
+    def store(self) -> SyncBlockStore | None:
+        """The block store (its engine's stats say whether it got O_DIRECT); None until SGLang
+        registers its host pool, and after :meth:`close`."""
+        return self._store
+
     def stats(self) -> dict[str, int]:
         """The block store's counters (keys held, capacity, evictions, failures). (SGLang's own
         ``get_stats`` expects its ``StorageMetrics``; it keeps the base class's None.)"""
