@@ -84,6 +84,13 @@ class StoreConfig:
         return cls(tuple(roots), counts["capacity_bytes"] or 0, persistent, fsync,
                    counts["num_slots"] or DEFAULT_SLOTS, counts["io_depth"], direct, io)
 
+    def check_directories(self, owner: str) -> None:
+        """ValueError naming the first root directory that does not exist (for an adapter that
+        refuses at start-up what the store would refuse only when it opens)."""
+        for directory in self.root_dirs:
+            if not os.path.isdir(directory):
+                raise ValueError(f"{owner}: root_dir {directory!r} is not a directory")
+
     def engine_options(self) -> dict[str, Any]:
         """The engine's options that are set (``num_slots`` always; the others where not None)."""
         options: dict[str, Any] = {"num_slots": self.num_slots}

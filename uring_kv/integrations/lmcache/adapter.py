@@ -42,7 +42,6 @@ import collections
 import concurrent.futures
 import gc
 import logging
-import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -90,9 +89,7 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             config = UringKVL2AdapterConfig.from_dict(config)
         if config.persistent and not config.block_bytes:
             raise ValueError("UringKVL2Adapter: a persistent adapter needs block_bytes (the chunk size)")
-        for directory in config.root_dirs:
-            if not os.path.isdir(directory):
-                raise ValueError(f"UringKVL2Adapter: root_dir {directory!r} is not a directory")
+        config.store.check_directories("UringKVL2Adapter")
         self._config = config
         self._arena = l1_memory_desc if config.rows != "staging" else None
         if config.rows == "l1" and self._arena is None:

@@ -34,11 +34,12 @@ class UringKVWorker(OffloadingWorker):  # type: ignore[misc]
     """vLLM's ``OffloadingWorker`` on uring_kv block stores (see the module docstring).
 
     ``kv_caches``: vLLM's ``CanonicalKVCaches``; ``root_dir``: the directory of the files (they
-    have no name: nothing is left when the worker shuts down); ``capacity_bytes``: the most they
+    have no name: nothing is left when the worker shuts down), or a list of them, one per drive;
+    ``capacity_bytes``: the most they
     hold together; ``block_size_factor``: GPU blocks per key (vLLM's ``blocks_per_chunk``);
     ``num_slots``, ``io_depth``, ``direct``, ``io``: each store's engine's."""
 
-    def __init__(self, kv_caches: Any, root_dir: str, capacity_bytes: int, block_size_factor: int = 1, *,
+    def __init__(self, kv_caches: Any, root_dir: str | list[str], capacity_bytes: int, block_size_factor: int = 1, *,
                  num_slots: int = 16, io_depth: int | None = None, direct: bool | None = None,
                  io: str | None = None) -> None:
         self._rows = KeyedRows([t.tensor for t in kv_caches.tensors],
