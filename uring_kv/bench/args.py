@@ -86,3 +86,12 @@ def check_free_space(directory: str, needed: int) -> None:
     if free < needed:
         raise UsageError(f"--path: {directory} has {free / 2**20:.0f} MiB free, the run needs "
                          f"{needed / 2**20:.0f} MiB (make --size smaller or choose another --path)")
+
+
+def check_multiples(option: str, sizes: list[int] | None, unit: int, why: str) -> None:
+    """UsageError for the first of ``sizes`` (an option's values) that is not a multiple of
+    ``unit``, saying ``why`` it must be (``--row-size 5000: vLLM's rows are whole pages (a
+    multiple of 4096 bytes)``)."""
+    for value in sizes or []:
+        if value % unit:
+            raise UsageError(f"{option} {value}: {why} (a multiple of {unit} bytes)")

@@ -33,7 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from uring_kv.bench.args import Defaults, UsageError, at_least, byte_size, check_free_space, usable_directory
+from uring_kv.bench.args import (
+    Defaults,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import framework_report, percentile, progress_printer
 
 ADAPTERS = {
@@ -224,9 +231,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def command(args: argparse.Namespace) -> int:
     """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
-    for size in args.chunk_size or []:
-        if size % 4096:
-            raise UsageError(f"--chunk-size {size}: LMCache's L1 chunks are whole pages (a multiple of 4096 bytes)")
+    check_multiples("--chunk-size", args.chunk_size, 4096, "LMCache's L1 chunks are whole pages")
     args.path = usable_directory(args.path)
     chunks = max(args.chunk_size or [2 << 20])
     check_free_space(args.path, max(args.bytes, args.job * chunks) + args.job * chunks)  # one adapter's files at a time

@@ -36,7 +36,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from uring_kv.bench.args import Defaults, UsageError, at_least, byte_size, check_free_space, usable_directory
+from uring_kv.bench.args import (
+    Defaults,
+    UsageError,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import BatchRow, framework_report, progress_printer
 
 
@@ -209,9 +217,7 @@ def command(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("mooncake") is None:
         raise UsageError("needs Mooncake: pip install 'uring-kv[mooncake]' (and the libibverbs1 system package)")
     sizes = args.block_size or [64 << 10, 256 << 10, 1 << 20]
-    for size in sizes:
-        if size % 8:
-            raise UsageError(f"--block-size {size}: a multiple of 8 bytes")
+    check_multiples("--block-size", sizes, 8, "the bench's rows are 8-byte words")
     args.path = usable_directory(args.path)
     check_free_space(args.path, 3 * (args.bytes + args.batch * max(sizes)))  # three stores' files of one size at once
     return bench_mooncake(sizes, args.batch, args.bytes, args.path, args.json)

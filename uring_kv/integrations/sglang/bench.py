@@ -56,7 +56,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from uring_kv.bench.args import Defaults, UsageError, at_least, byte_size, check_free_space, usable_directory
+from uring_kv.bench.args import (
+    Defaults,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import framework_report, percentile, progress_printer
 
 if TYPE_CHECKING:  # (torch is imported where a run needs it: the command's parser costs nothing)
@@ -349,10 +356,8 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def command(args: argparse.Namespace) -> int:
     """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
-    for size in args.page_bytes or []:
-        if size % 4096:
-            raise UsageError(f"--page-bytes {size}: a page of the host pool is read and written whole, "
-                             "in place: a multiple of 4096 bytes")
+    check_multiples("--page-bytes", args.page_bytes, 4096,
+                    "a page of the host pool is read and written whole, in place")
     args.path = usable_directory(args.path)
     pages = max(args.page_bytes or [2 << 20])
     check_free_space(args.path, max(args.bytes, args.request * pages) + pages)  # one backend's files at a time

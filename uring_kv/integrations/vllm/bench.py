@@ -28,7 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from uring_kv.bench.args import Defaults, UsageError, at_least, byte_size, check_free_space, usable_directory
+from uring_kv.bench.args import (
+    Defaults,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import framework_report, percentile, progress_printer
 
 TIERS = {
@@ -208,9 +215,7 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def command(args: argparse.Namespace) -> int:
     """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
-    for size in args.row_size or []:
-        if size % 4096:
-            raise UsageError(f"--row-size {size}: vLLM's rows are whole pages (a multiple of 4096 bytes)")
+    check_multiples("--row-size", args.row_size, 4096, "vLLM's rows are whole pages")
     args.path = usable_directory(args.path)
     rows = max(args.row_size or [2 << 20])
     check_free_space(args.path, 2 * max(args.bytes, args.job * rows) + args.job * rows)  # both tiers' files at once
