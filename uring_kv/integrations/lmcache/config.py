@@ -73,9 +73,8 @@ class UringKVL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         rows = d.get("rows", "auto")
         if rows not in ROWS:
             raise ValueError(f"UringKVL2Adapter: rows must be one of {', '.join(ROWS)}, got {rows!r}")
-        return cls(d["root_dir"], store.capacity_bytes,
-                   sizes["block_bytes"], rows, sizes["staging_bytes"] or 64 << 20, store.num_slots, store.io_depth,
-                   store.direct, store.io, store.persistent, store.fsync)
+        return cls(d["root_dir"], store.capacity_bytes, sizes["block_bytes"], rows, sizes["staging_bytes"] or 64 << 20,
+                   store.num_slots, store.io_depth, store.direct, store.io, store.persistent, store.fsync)
 
     @classmethod
     def help(cls) -> str:
