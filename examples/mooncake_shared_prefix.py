@@ -91,7 +91,7 @@ def serve(role: str, master_address: str, metadata_server: str) -> None:
 
 
 def main() -> None:
-    from uring_kv.integrations.mooncake_master import LocalMaster
+    from uring_kv.integrations.mooncake.local import LocalMaster
 
     env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     with LocalMaster() as master:

@@ -24,7 +24,7 @@ cleanup() {
 }
 trap cleanup EXIT
 mkdir "$group"
-bytes=$("$python" -P -c "import sys; from uring_kv.cli import _size; print(_size(sys.argv[1]))" "$size")
+bytes=$("$python" -P -c "import sys; from uring_kv.bench.args import byte_size; print(byte_size(sys.argv[1]))" "$size")
 paths=()
 for i in $(seq 0 $((n - 1))); do
     truncate -s $(( bytes * 3 / n + (2 << 30) )) "$work/d$i.img"  # sparse

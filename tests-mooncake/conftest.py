@@ -25,11 +25,11 @@ def pytest_report_header() -> str:
 
 @pytest.fixture
 def master() -> Iterator[object]:
-    """A running ``mooncake_master`` (a :class:`uring_kv.integrations.mooncake_master.LocalMaster`),
+    """A running ``mooncake_master`` (a :class:`uring_kv.integrations.mooncake.local.LocalMaster`),
     stopped after the test."""
     if not HAVE_MOONCAKE:
         pytest.skip("mooncake is not installed (./dev test sets up .venv-mooncake with it)")
-    from uring_kv.integrations.mooncake_master import LocalMaster
+    from uring_kv.integrations.mooncake.local import LocalMaster
 
     with LocalMaster() as running:
         yield running

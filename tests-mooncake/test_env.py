@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from uring_kv.integrations.mooncake_master import LocalMaster
+from uring_kv.integrations.mooncake.local import LocalMaster
 
 
 def test_mooncake_client_is_the_pinned_one() -> None:

@@ -15,7 +15,7 @@ import torch
 from blocks import fill, holds, key, make_caches, poison, row_bytes
 
 from uring_kv.integrations.mooncake import MooncakeConfig, TieredStore
-from uring_kv.integrations.mooncake_master import LocalMaster
+from uring_kv.integrations.mooncake.local import LocalMaster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -196,7 +196,7 @@ def test_a_full_segment_leaves_keys_local_only(master: LocalMaster, tmp_path: Pa
 def test_an_unreachable_master_fails_open_at_once_and_closes_the_local_tier(master: LocalMaster,
                                                                            tmp_path: Path) -> None:
     from uring_kv.integrations.mooncake import MooncakeError
-    from uring_kv.integrations.mooncake_master import free_port
+    from uring_kv.integrations.mooncake.local import free_port
 
     async def main() -> None:
         store = TieredStore(make_caches(), tmp_path / "a", 4,

@@ -15,8 +15,8 @@ import pytest
 from blocks import fill, key, make_caches
 
 from uring_kv.integrations.mooncake import MooncakeConfig, SyncTieredStore, TieredStore
-from uring_kv.integrations.mooncake_master import LocalMaster
-from uring_kv.integrations.mooncake_remote import MooncakeTier
+from uring_kv.integrations.mooncake.local import LocalMaster
+from uring_kv.integrations.mooncake.remote import MooncakeTier
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ from blocks import fill, holds, key, make_caches, poison, row_bytes
 
 from uring_kv.errors import KeyMissingError
 from uring_kv.integrations.mooncake import MooncakeConfig, TieredStore
-from uring_kv.integrations.mooncake_master import LocalMaster
+from uring_kv.integrations.mooncake.local import LocalMaster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +78,7 @@ def test_a_wrong_remote_value_is_a_miss_never_a_block(master: LocalMaster, tmp_p
     import crc32c
     from mooncake.store import MooncakeDistributedStore
 
-    from uring_kv.integrations.mooncake_staging import MAGIC, TRAILER
+    from uring_kv.integrations.mooncake.staging import MAGIC, TRAILER
 
     async def main() -> None:
         caches = make_caches()

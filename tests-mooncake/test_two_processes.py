@@ -17,7 +17,7 @@ import pytest
 import torch
 from blocks import block_of, key, make_caches
 
-from uring_kv.integrations.mooncake_master import LocalMaster
+from uring_kv.integrations.mooncake.local import LocalMaster
 
 pytestmark = pytest.mark.timeout(120)
 HERE = Path(__file__).resolve().parent

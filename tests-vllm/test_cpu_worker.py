@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from uring_kv.integrations.vllm_cpu import CPUTieringOffloadingSpec, HostCopyWorker
+from uring_kv.integrations.vllm.cpu import CPUTieringOffloadingSpec, HostCopyWorker
 
 BLOCKS, CHUNKS = 16, 12
 
@@ -276,3 +276,14 @@ def test_the_spec_refuses_a_vllm_that_hands_workers_device_pointers(two_layers: 
         pytest.skip("vLLM's own worker serves this platform")
     with pytest.raises(RuntimeError, match="device pointers"):
         CPUTieringOffloadingSpec(config(4096)).get_worker(two_layers)
+
+
+@pytest.mark.parametrize("module_path", ["uring_kv.integrations.vllm.cpu", "uring_kv.integrations.vllm_cpu"])
+def test_vllms_spec_factory_finds_the_spec_by_its_path_and_its_former_one(module_path: str) -> None:
+    """``spec_module_path`` as the docs give it, and as configurations written before the adapters
+    had a package per framework give it: vLLM's factory finds the same class."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    found = OffloadingSpecFactory.get_spec_cls({"spec_name": "CPUTieringOffloadingSpec",
+                                                "spec_module_path": module_path})
+    assert found is CPUTieringOffloadingSpec

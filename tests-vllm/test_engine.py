@@ -28,7 +28,7 @@ if os.environ.get("URING_KV_VLLM_VERSION", "0.32.0") != "0.32.0":
 from vllm import LLM, SamplingParams
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
-from uring_kv.integrations.vllm_model import LlamaShape, build_llama, words
+from uring_kv.integrations.vllm.model import LlamaShape, build_llama, words
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -78,7 +78,7 @@ def engine(model: str, tier: dict[str, Any] | None) -> Any:
     kv = None if tier is None else {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "uring_kv.integrations.vllm_cpu",
+            "spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "uring_kv.integrations.vllm.cpu",
             "cpu_bytes_to_use": 24 * CHUNK,
             "secondary_tiers": [{"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm",
                                  "capacity_bytes": 256 * CHUNK, **tier}]}}

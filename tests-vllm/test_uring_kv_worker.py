@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers  # noqa: E402
 
-from uring_kv.integrations.vllm_worker import UringKVWorker  # noqa: E402
+from uring_kv.integrations.vllm.worker import UringKVWorker  # noqa: E402
 
 FSLoadStoreSpec = worker_module.FSLoadStoreSpec
 PAGE = 8192  # bytes of one block of one tensor

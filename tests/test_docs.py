@@ -210,16 +210,8 @@ def test_the_c_files_call_each_other_in_no_loop() -> None:
 # ``cls``, ``super()`` or a module) that remain in the package, each with why it stays. Every other
 # one fails the test below: an object's private state is its own.
 PRIVATE_REACH_INS = {
-    "integrations/mooncake_bench.py: tier._row_addr":
-        "the bench's raw row times the Mooncake client alone on the tier's own staging rows",
-    "integrations/mooncake_bench.py: tier._submit":
-        "... on the tier's own worker thread (the only thread that may call its client)",
-    "integrations/mooncake_bench.py: tier._client":
-        "... its client, with no checksum and no copy: what the tier adds is measured against it",
-    "integrations/mooncake_remote.py: self._tier._answer":
+    "integrations/mooncake/remote.py: self._tier._answer":
         "a store call's parts wait for their answers through the tier that made them (its deadline)",
-    "integrations/sglang_bench.py: backend._store":
-        "the bench reports whether SGLang's backend got O_DIRECT, which SGLang's interface does not show",
 }
 MAX_PRIVATE_REACH_INS = 5
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from uring_kv.integrations.vllm_rows import KeyedRows
+from uring_kv.integrations.vllm.rows import KeyedRows
 
 PAGE = 16384  # bytes of one block of one tensor
 BLOCKS = 48

@@ -49,8 +49,8 @@ from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._memory import HostBuffer
 from uring_kv._native import BlockCopier
 from uring_kv.errors import EngineClosedError
-from uring_kv.integrations.mooncake_config import MooncakeConfig, MooncakeError, check_reachable
-from uring_kv.integrations.mooncake_staging import (
+from uring_kv.integrations.mooncake.config import MooncakeConfig, MooncakeError, check_reachable
+from uring_kv.integrations.mooncake.staging import (
     BAD_VALUE,
     NO_AVAILABLE_HANDLE,
     NOT_TRIED,
@@ -392,6 +392,19 @@ class MooncakeTier(OpenClose):
     def _row_addr(self, row: int) -> int:
         assert self._staging is not None
         return self._staging.addr + row * self._stride
+
+    async def client_get_into(self, names: list[str], rows: list[int]) -> list[int]:
+        """The Mooncake client's ``batch_get_into`` alone: ``names`` (as :meth:`remote_key` makes
+        them) into staging ``rows`` the caller holds (from :attr:`rows`), on the worker thread, with
+        no checksum, no copy and no counts; the client's answer (bytes, or a negative error code,
+        per name). What the tier adds to the client is measured against it (``uring-kv
+        bench-mooncake``)."""
+        return list(await self.svc.wait(self._submit(self._client_get_into, names, rows)))
+
+    def _client_get_into(self, names: list[str], rows: list[int]) -> list[int]:
+        """(worker) See :meth:`client_get_into`."""
+        return list(self._client.batch_get_into(names, [self._row_addr(row) for row in rows],
+                                                [self.value_bytes] * len(names)))
 
     def _get_into(self, names: list[str], staging: list[int]) -> list[int]:
         """(worker) Fetch the values into the rows and check each one."""

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import collections
 import gc
-import hashlib
 import json
-import os
 import threading
 import time
 from collections.abc import Iterable
@@ -59,6 +57,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from uring_kv.errors import EngineClosedError, KeyIOError
+from uring_kv.integrations.config import StoreConfig, fingerprint_name, open_store
 from uring_kv.sync import SyncBlockStore
 
 # What the tier counts, as vLLM's connector metrics (the name a server's /metrics shows, with
@@ -110,26 +109,21 @@ class UringKVTier(SecondaryTierManager):  # type: ignore[misc]
                  io: str | None = None, persistent: bool = False, fsync: bool | None = None,
                  locality: str | None = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        directories = [root_dir] if isinstance(root_dir, str) else list(root_dir)
-        if not directories or not all(isinstance(d, str) and d for d in directories):
-            raise ValueError(f"UringKVTier: root_dir must be a directory or a list of them, got {root_dir!r}")
+        config = StoreConfig.from_mapping(
+            {"root_dir": root_dir, "capacity_bytes": capacity_bytes, "num_slots": num_slots, "io_depth": io_depth,
+             "direct": direct, "io": io, "persistent": persistent, "fsync": fsync}, owner="UringKVTier", noun="tier")
         rows = np.asarray(primary_kv_view)
         if rows.ndim != 2 or not rows.flags.c_contiguous:
             raise ValueError(f"UringKVTier: the primary view must be C-contiguous rows, got shape {rows.shape}")
         self._row_bytes = int(rows.strides[0])
-        name, kept = "uring-kv-vllm-tier.bin", dict[str, Any]()
-        if persistent:
-            fingerprint = run_fingerprint(offloading_spec, self._row_bytes)
+        name, fingerprint = "uring-kv-vllm-tier.bin", ""
+        if config.persistent:
             # one file per run configuration: another model's rows are in another file, never refused
-            name = f"uring-kv-vllm-tier-{hashlib.sha256(fingerprint.encode()).hexdigest()[:12]}.bin"
-            kept = {"persistent": True, "fingerprint": fingerprint, "fsync": fsync}
-        elif fsync is not None:
-            raise ValueError("UringKVTier: fsync applies to a persistent tier (persistent: true)")
-        paths = [os.path.join(directory, name) for directory in directories]
+            fingerprint = run_fingerprint(offloading_spec, self._row_bytes)
+            name = fingerprint_name("uring-kv-vllm-tier", fingerprint)
         # The rows as the engine's one cache tensor (dim 0 = chunk), sharing the region's memory.
-        self._store: SyncBlockStore | None = SyncBlockStore(
-            {"primary": torch.from_numpy(rows)}, paths[0] if len(paths) == 1 else paths,
-            capacity_bytes=capacity_bytes, num_slots=num_slots, io_depth=io_depth, direct=direct, io=io, **kept)
+        self._store: SyncBlockStore | None = open_store({"primary": torch.from_numpy(rows)}, config, name,
+                                                        fingerprint=fingerprint)
         del rows
         self._finished: collections.deque[JobResult] = collections.deque()
         self._outstanding = 0

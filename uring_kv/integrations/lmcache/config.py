@@ -7,8 +7,9 @@ from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
+from uring_kv.integrations.config import STORE_KEYS, StoreConfig
+
 ROWS = ("auto", "l1", "staging")
-STORE_OPTIONS = ("num_slots", "io_depth", "direct", "io")
 
 
 class UringKVL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
@@ -49,45 +50,31 @@ class UringKVL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc]
         self.direct = direct
         self.io = io
 
+    @property
+    def store(self) -> StoreConfig:
+        """The options that describe the block store (what every adapter of uring_kv shares)."""
+        return StoreConfig(tuple(self.root_dirs), self.capacity_bytes, self.persistent, self.fsync, self.num_slots,
+                           self.io_depth, self.direct, self.io)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> UringKVL2AdapterConfig:
-        known = {"type", "root_dir", "capacity_bytes", "block_bytes", "rows", "staging_bytes", "persistent", "fsync",
-                 *STORE_OPTIONS}
-        if unknown := sorted(set(d) - known):
+        if unknown := sorted(set(d) - {"type", "block_bytes", "rows", "staging_bytes", *STORE_KEYS}):
             raise ValueError(f"unknown uring_kv adapter option(s) {unknown}")
-        root_dir: Any = d.get("root_dir")
-        listed = isinstance(root_dir, list) and root_dir and all(isinstance(r, str) and r for r in root_dir)
-        if not listed and (not isinstance(root_dir, str) or not root_dir):
-            raise ValueError("root_dir must be a non-empty string or a list of them (one directory per drive)")
-        persistent, fsync = d.get("persistent", False), d.get("fsync")
-        if not isinstance(persistent, bool) or (fsync is not None and not isinstance(fsync, bool)):
-            raise ValueError(f"persistent and fsync must be true or false, got {persistent!r} and {fsync!r}")
-        if fsync is not None and not persistent:
-            raise ValueError("fsync applies to a persistent adapter (persistent: true)")
-        if persistent and d.get("block_bytes") is None:
-            raise ValueError("a persistent adapter needs block_bytes (the chunk size), to open at start")
-        ints: dict[str, int | None] = {}
-        for name, required in (("capacity_bytes", True), ("block_bytes", False), ("staging_bytes", False),
-                               ("num_slots", False), ("io_depth", False)):
+        store = StoreConfig.from_mapping(d, owner="UringKVL2Adapter", noun="adapter")
+        if store.persistent and d.get("block_bytes") is None:
+            raise ValueError("UringKVL2Adapter: a persistent adapter needs block_bytes (the chunk size), to open at "
+                             "start")
+        sizes: dict[str, int | None] = {}
+        for name in ("block_bytes", "staging_bytes"):
             value = d.get(name)
-            if value is None and not required:
-                ints[name] = None
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-            ints[name] = value
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"UringKVL2Adapter: {name} must be a positive integer, got {value!r}")
+            sizes[name] = value
         rows = d.get("rows", "auto")
         if rows not in ROWS:
-            raise ValueError(f"rows must be one of {', '.join(ROWS)}, got {rows!r}")
-        direct = d.get("direct")
-        if direct is not None and not isinstance(direct, bool):
-            raise ValueError(f"direct must be true, false or null, got {direct!r}")
-        io = d.get("io")
-        if io is not None and io not in ("auto", "uring", "threads"):
-            raise ValueError(f"io must be auto, uring or threads, got {io!r}")
-        return cls(root_dir, ints["capacity_bytes"] or 0, ints["block_bytes"], rows,
-                   ints["staging_bytes"] or 64 << 20, ints["num_slots"] or 16, ints["io_depth"], direct, io,
-                   persistent, fsync)
+            raise ValueError(f"UringKVL2Adapter: rows must be one of {', '.join(ROWS)}, got {rows!r}")
+        return cls(d["root_dir"], store.capacity_bytes, sizes["block_bytes"], rows, sizes["staging_bytes"] or 64 << 20,
+                   store.num_slots, store.io_depth, store.direct, store.io, store.persistent, store.fsync)
 
     @classmethod
     def help(cls) -> str:

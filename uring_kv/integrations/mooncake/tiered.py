@@ -3,7 +3,7 @@
 Many serving processes (on one machine or many) keep their own fast local tier, a
 :class:`uring_kv.BlockStore` on their own disk, and share one Mooncake Store cluster below it, so
 that a prefix one process computed is a hit for every other. This module puts the two together
-through their public APIs only; the remote side is :mod:`uring_kv.integrations.mooncake_remote`.
+through their public APIs only; the remote side is :mod:`uring_kv.integrations.mooncake.remote`.
 
 * ``get_present``/``get``: the local tier first; the keys it misses are fetched from Mooncake into
   staging rows, checked (size, trailer, crc32c) and copied into the caller's rows, then written
@@ -31,8 +31,8 @@ from uring_kv._args import check_keys_and_rows
 from uring_kv._layout import CacheLayout
 from uring_kv._loop import OpenClose
 from uring_kv.errors import KeyIOError, KeyMissingError
-from uring_kv.integrations.mooncake_config import MooncakeConfig, MooncakeError
-from uring_kv.integrations.mooncake_remote import MooncakeTier, StoreJob
+from uring_kv.integrations.mooncake.config import MooncakeConfig, MooncakeError
+from uring_kv.integrations.mooncake.remote import MooncakeTier, StoreJob
 from uring_kv.store import BlockStore
 from uring_kv.sync import SyncStore
 

@@ -33,6 +33,14 @@ from typing import Any
 
 import numpy as np
 
+from uring_kv.bench.args import (
+    Defaults,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import framework_report, percentile, progress_printer
 
 ADAPTERS = {
@@ -202,3 +210,29 @@ def main(args: argparse.Namespace) -> int:
              f"tasks of {args.job} chunks, {args.jobs} in flight · {time.strftime('%Y-%m-%d')}")
     config = {"path": args.path, "bytes": args.bytes, "job": args.job, "jobs": args.jobs}
     return framework_report(title, render(results), args.json, config, results)
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The command's arguments, in ``uring-kv``'s parser (:func:`command` runs it)."""
+    parser = commands.add_parser("bench-lmcache", formatter_class=Defaults,
+                                 help="UringKVL2Adapter against LMCache's own fs and fs_native L2 adapters "
+                                      "(needs LMCache)")
+    parser.add_argument("--path", help="directory for every adapter's files (default: the temp directory)")
+    parser.add_argument("--chunk-size", type=byte_size, action="append",
+                        help="bytes per chunk, LMCache's KV chunk (repeatable; default 128K and 2M)")
+    parser.add_argument("--bytes", type=byte_size, default=512 << 20, help="bytes each adapter stores per size")
+    parser.add_argument("--job", type=at_least(1), default=16, help="chunks per task")
+    parser.add_argument("--jobs", type=at_least(1), default=4, help="tasks in flight at most")
+    parser.add_argument("--adapter", action="append", choices=("uring_kv", "fs", "fs_native"),
+                        help="adapters to run (repeatable; default all)")
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    parser.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
+    check_multiples("--chunk-size", args.chunk_size, 4096, "LMCache's L1 chunks are whole pages")
+    args.path = usable_directory(args.path)
+    chunks = max(args.chunk_size or [2 << 20])
+    check_free_space(args.path, max(args.bytes, args.job * chunks) + args.job * chunks)  # one adapter's files at a time
+    return main(args)

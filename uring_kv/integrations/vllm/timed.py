@@ -35,7 +35,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 
 class TimedTier(SecondaryTierManager):  # type: ignore[misc]
-    """``{"type": "TimedTier", "module_path": "uring_kv.integrations.vllm_timed", "record": PATH,
+    """``{"type": "TimedTier", "module_path": "uring_kv.integrations.vllm.timed", "record": PATH,
     "inner": {the real tier's entry}}`` (see the module docstring)."""
 
     medium = Medium.STORAGE

@@ -1,6 +1,6 @@
 """vLLM's KV cache rows, addressed by offload key, kept on disk through uring_kv's GPU path.
 
-The part of :class:`uring_kv.integrations.vllm_worker.UringKVWorker` that needs no vLLM (a
+The part of :class:`uring_kv.integrations.vllm.worker.UringKVWorker` that needs no vLLM (a
 harness on a machine without vLLM drives it with vLLM's layout). Facts it rests on (vLLM 0.34,
 ``vllm/v1/kv_offload``):
 
@@ -25,7 +25,7 @@ harness on a machine without vLLM drives it with vLLM's layout). Facts it rests 
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from uring_kv.integrations.config import StoreConfig, open_store
 from uring_kv.sync import SyncBlockStore
 
 
@@ -72,15 +73,19 @@ class KeyedRows:
     """One :class:`SyncBlockStore` per KV-cache group over that group's tensors (see the module
     docstring). ``tensors``: the canonical KV tensors (``num_blocks`` rows each); ``groups``: per
     group, the indices into ``tensors`` its data references name. ``root_dir``: where the files
-    go (unnamed unless ``persistent``); ``capacity_bytes``: the most all groups' files hold."""
+    go (unnamed), or a list of directories, one per drive (each group's blocks striped over a file
+    in each); ``capacity_bytes``: the most all groups' files hold. The store options are checked
+    as every adapter's are (:class:`uring_kv.integrations.config.StoreConfig`)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], root_dir: str,
+    def __init__(self, tensors: Sequence[torch.Tensor], groups: Sequence[Sequence[int]], root_dir: str | list[str],
                  capacity_bytes: int, block_size_factor: int = 1, *, num_slots: int = 16,
                  io_depth: int | None = None, direct: bool | None = None, io: str | None = None) -> None:
         if block_size_factor < 1:
             raise ValueError(f"block_size_factor must be at least 1, got {block_size_factor}")
-        if not os.path.isdir(root_dir):
-            raise ValueError(f"root_dir {root_dir!r} is not a directory")
+        config = StoreConfig.from_mapping(
+            {"root_dir": root_dir, "capacity_bytes": capacity_bytes, "num_slots": num_slots, "io_depth": io_depth,
+             "direct": direct, "io": io}, owner="UringKVWorker")
+        config.check_directories("UringKVWorker")
         self._factor = block_size_factor
         self._tensors = list(tensors)
         self._refs = [list(refs) for refs in groups]
@@ -89,20 +94,15 @@ class KeyedRows:
         if not total:
             raise ValueError("no KV-cache group names a tensor")
         self.stores: list[SyncBlockStore | None] = []
-        options: dict[str, Any] = {"num_slots": num_slots, "direct": direct}
-        if io_depth is not None:
-            options["io_depth"] = io_depth
-        if io is not None:
-            options["io"] = io
         try:
             for g, (refs, nbytes) in enumerate(zip(self._refs, row_bytes, strict=True)):
                 if not refs:
                     self.stores.append(None)
                     continue
                 caches = {f"t{i}": self._tensors[i] for i in dict.fromkeys(refs)}
-                share = capacity_bytes * nbytes // total
-                path = os.path.join(root_dir, f"uring-kv-vllm-group{g}.bin")  # unnamed: nothing stays
-                self.stores.append(SyncBlockStore(caches, path, capacity_bytes=share, **options))
+                share = dataclasses.replace(config, capacity_bytes=capacity_bytes * nbytes // total)
+                # unnamed: nothing stays; several directories: the group's blocks striped over them
+                self.stores.append(open_store(caches, share, f"uring-kv-vllm-group{g}.bin"))
         except BaseException:
             self.close()
             raise

@@ -52,13 +52,22 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from uring_kv.bench.args import (
+    Defaults,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import framework_report, percentile, progress_printer
-from uring_kv.bench.workload import holds_identity, stamp_identity
+
+if TYPE_CHECKING:  # (torch is imported where a run needs it: the command's parser costs nothing)
+    import torch
 
 BACKENDS = ("uring_kv", "file")
 TOKENS_PER_PAGE = 64  # the host pool's page_size
@@ -88,6 +97,8 @@ class HostPool:
     pin_memory = False
 
     def __init__(self, pages: int, page_bytes: int) -> None:
+        import torch
+
         self.dtype = torch.bfloat16
         self.page_size, self.page_num, self.size = TOKENS_PER_PAGE, pages, pages * TOKENS_PER_PAGE
         self.layer_num = LAYERS
@@ -104,6 +115,8 @@ class HostPool:
         return page.flatten() if flat else page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
+        import torch
+
         return torch.zeros((self.layer_num, self.page_size, 1, self.kv_cache_dim), dtype=self.dtype,
                            device=self.device, pin_memory=self.pin_memory).flatten()
 
@@ -113,10 +126,14 @@ class HostPool:
 
     def stamp(self) -> None:
         """Page ``n``: the bench's identity pattern, every 8-byte word ``n << 32 | word``."""
+        from uring_kv.bench.workload import stamp_identity
+
         stamp_identity(self.words.numpy(), list(range(self.page_num)))
 
     def stamped(self) -> bool:
         """Whether every page holds its identity pattern (checked 64 pages at a time: bounded temporaries)."""
+        from uring_kv.bench.workload import holds_identity
+
         words = self.words.numpy()
         return all(holds_identity(words[first:first + 64], list(range(first, min(first + 64, self.page_num))))
                    for first in range(0, self.page_num, 64))
@@ -196,6 +213,8 @@ def _drive(controller: _Controller, requests: list[list[int]], threads: int, get
            ) -> tuple[float, list[float], bool]:
     """Back up (or prefetch) every request's pages from ``threads`` threads: seconds, call
     latencies, and whether every call succeeded for every page."""
+    import torch
+
     ps = controller.page_size
     latencies: list[list[float]] = [[] for _ in range(threads)]
     failed = threading.Event()
@@ -261,7 +280,7 @@ def run(directory: str, page_sizes: list[int], total: int, request: int, threads
             root = tempfile.mkdtemp(prefix=f"uring-kv-sglang-{name}-", dir=directory)
             backend = _backend(name, root, pool, (pages + 1) * page_bytes)
             try:
-                direct = backend._store.store.engine.stats()["direct"] if name == "uring_kv" else None
+                direct = backend.store.store.engine.stats()["direct"] if name == "uring_kv" else None
                 controller = _Controller(backend, name == "uring_kv", pool)
                 for op, requests in (("set", order), ("get", shuffled)):
                     if progress:
@@ -315,3 +334,31 @@ def main(args: argparse.Namespace) -> int:
     config = {"path": args.path, "bytes": args.bytes, "request": args.request, "threads": args.threads,
               "tokens_per_page": TOKENS_PER_PAGE, "batch": BATCH}
     return framework_report(title, render(results), args.json, config, results)
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The command's arguments, in ``uring-kv``'s parser (:func:`command` runs it)."""
+    parser = commands.add_parser("bench-sglang", formatter_class=Defaults,
+                                 help="UringKVHiCacheStorage against SGLang's own HiCacheFile backend (needs SGLang)")
+    parser.add_argument("--path", help="directory for both backends' files (default: the temp directory)")
+    parser.add_argument("--page-bytes", type=byte_size, action="append",
+                        help="bytes per host-pool page, SGLang's unit of storage (repeatable; default 128K, 2M)")
+    parser.add_argument("--bytes", type=byte_size, default=1 << 30,
+                        help="bytes each backend backs up per page size (the host pool holds them all)")
+    parser.add_argument("--request", type=at_least(1), default=32,
+                        help="pages per request (its calls: at most 128 pages, SGLang's batch)")
+    parser.add_argument("--threads", type=at_least(1), default=2, help="threads calling each backend at once")
+    parser.add_argument("--backend", action="append", choices=("uring_kv", "file"),
+                        help="backends to run (repeatable; default both)")
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    parser.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
+    check_multiples("--page-bytes", args.page_bytes, 4096,
+                    "a page of the host pool is read and written whole, in place")
+    args.path = usable_directory(args.path)
+    pages = max(args.page_bytes or [2 << 20])
+    check_free_space(args.path, max(args.bytes, args.request * pages) + pages)  # one backend's files at a time
+    return main(args)

@@ -9,10 +9,10 @@ the worker in processes of their own) on the same model, prompts and disk:
 * ``uring_kv``: the same with ``UringKVTier`` (one file, io_uring, O_DIRECT where the filesystem
   takes it).
 
-Both tiers sit under :class:`uring_kv.integrations.vllm_timed.TimedTier`, which times each
+Both tiers sit under :class:`uring_kv.integrations.vllm.timed.TimedTier`, which times each
 promotion from vLLM's first lookup of one of its chunks to the poll that reports it done.
 
-The model is a random Llama built here (:data:`uring_kv.integrations.vllm_model.BENCH_SHAPE`,
+The model is a random Llama built here (:data:`uring_kv.integrations.vllm.model.BENCH_SHAPE`,
 92M parameters, float32: about 3 s to prefill 1,000 tokens on one core), so recomputing is not
 free. The engine keeps ``--engine-blocks`` blocks of KV and the primary region as many chunks;
 prompts are token ids. Two workloads:
@@ -47,8 +47,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from uring_kv.bench.args import Defaults, UsageError, at_least, check_free_space, usable_directory
 from uring_kv.bench.results import percentile, progress_printer
-from uring_kv.integrations.vllm_model import BENCH_SHAPE, LlamaShape, build_llama
+from uring_kv.integrations.vllm.model import BENCH_SHAPE, LlamaShape, build_llama
 
 CONFIGS = ("recompute", "fs", "uring_kv")
 #: --shape: the bench's model, or the tests' tiny one (a quick run that checks the bench itself)
@@ -109,9 +110,9 @@ def _kv_config(config: str, root: str, record: str, args: argparse.Namespace, ch
         {"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm", "root_dir": root,
          "capacity_bytes": 2 * (tokens // BLOCK + 1) * chunk_bytes})
     return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config={
-        "spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "uring_kv.integrations.vllm_cpu",
+        "spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "uring_kv.integrations.vllm.cpu",
         "cpu_bytes_to_use": args.engine_blocks * chunk_bytes,
-        "secondary_tiers": [{"type": "TimedTier", "module_path": "uring_kv.integrations.vllm_timed",
+        "secondary_tiers": [{"type": "TimedTier", "module_path": "uring_kv.integrations.vllm.timed",
                              "record": record, "inner": inner}]})
 
 
@@ -320,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             progress(f"{config}: starting an engine")
             # -P: the installed package, never a source tree that happens to be the working directory
-            done = subprocess.run([sys.executable, "-P", "-m", "uring_kv.integrations.vllm_serve_bench", config,
+            done = subprocess.run([sys.executable, "-P", "-m", "uring_kv.integrations.vllm.serve_bench", config,
                                    model, directory, out, json.dumps(options)])
             if done.returncode:
                 print(f"uring-kv bench-serve: the {config} run failed ({done.returncode})", file=sys.stderr)
@@ -352,6 +353,48 @@ def _vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The command's arguments, in ``uring-kv``'s parser (:func:`command` runs it)."""
+    parser = commands.add_parser("bench-serve", formatter_class=Defaults,
+                                 help="one vLLM engine on the CPU (vllm-cpu) serving evicted prefixes by recompute, "
+                                      "vLLM's fs tier and UringKVTier: TTFT, multi-turn requests/s, promotion time")
+    parser.add_argument("--path", help="directory for the tiers' files (default: the temp directory)")
+    parser.add_argument("--model", help="directory of the bench's model, built there if missing "
+                                        "(default: uring-kv-bench-serve-model in the temp directory)")
+    parser.add_argument("--shape", choices=("bench", "tiny"), default="bench",
+                        help="the model: 92M parameters (8 layers, hidden 1024), or the tests' tiny one "
+                             "(a quick run of the bench itself, no figures)")
+    parser.add_argument("--config", action="append", choices=("recompute", "fs", "uring_kv"),
+                        help="configurations to run (repeatable; default all three)")
+    parser.add_argument("--prompts", type=at_least(1), default=24, help="prompts per TTFT set")
+    parser.add_argument("--prefix", type=at_least(128), default=1024, help="tokens of each prompt's prefix")
+    parser.add_argument("--concurrency", type=at_least(1), default=4, help="requests in flight")
+    parser.add_argument("--conversations", type=at_least(1), default=16, help="multi-turn conversations")
+    parser.add_argument("--turns", type=at_least(1), default=4, help="turns per conversation")
+    parser.add_argument("--document", type=at_least(1), default=768,
+                        help="tokens each conversation starts with")
+    parser.add_argument("--engine-blocks", type=at_least(8), default=48,
+                        help="blocks of 128 tokens the engine's KV cache holds, and chunks the primary holds")
+    parser.add_argument("--reserved-cpus", type=at_least(0), default=1,
+                        help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    parser.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
+    longest = max(args.prefix + 16, args.document + args.turns * 80) + 16
+    if longest > (args.engine_blocks - 1) * BLOCK:  # (vLLM keeps a block back)
+        raise UsageError(f"--engine-blocks {args.engine_blocks}: the longest request ({longest} tokens) needs "
+                         f"{-(-longest // BLOCK) + 1} blocks of 128 tokens")
+    args.path = usable_directory(args.path)
+    chunk = BLOCK * SHAPES[args.shape].kv_bytes_per_token()
+    tokens = 2 * args.prompts * (args.prefix + 16) + args.conversations * (args.document + args.turns * 80)
+    check_free_space(args.path, 2 * (tokens // BLOCK + 1) * chunk)  # a tier's files (one run at a time)
+    return main(args)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ class StagingRows:
 class Call:
     """One client call on the tier's worker thread, and the staging rows it owns until it returns.
 
-    ``tier`` is the :class:`~uring_kv.integrations.mooncake_remote.MooncakeTier` that made it
+    ``tier`` is the :class:`~uring_kv.integrations.mooncake.remote.MooncakeTier` that made it
     (its loop services, rows, config, and its counts of stuck calls and errors). On the loop only,
     but for :meth:`settle`, which the worker schedules there."""
 

@@ -28,8 +28,15 @@ from typing import Any
 
 import numpy as np
 
+from uring_kv.bench.args import (
+    Defaults,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import framework_report, percentile, progress_printer
-from uring_kv.bench.workload import holds_identity, stamp_identity
 
 TIERS = {
     "uring_kv": {"type": "UringKVTier", "module_path": "uring_kv.integrations.vllm"},
@@ -87,6 +94,8 @@ def _drive(tier: Any, rows: np.ndarray, order: list[int], job_keys: int, in_flig
     whether every job succeeded (and, for promotions, every row came back as stored)."""
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from uring_kv.bench.workload import holds_identity, stamp_identity  # (imports torch)
 
     free = list(range(rows.shape[0] // job_keys))  # row groups a job may use
     pending: dict[int, tuple[float, int, list[int]]] = {}  # job id → (submitted, row group, keys)
@@ -188,3 +197,26 @@ def main(args: argparse.Namespace) -> int:
              f"{args.jobs} in flight · {time.strftime('%Y-%m-%d')}")
     config = {"path": args.path, "bytes": args.bytes, "job": args.job, "jobs": args.jobs}
     return framework_report(title, render(results), args.json, config, results)
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The command's arguments, in ``uring-kv``'s parser (:func:`command` runs it)."""
+    parser = commands.add_parser("bench-vllm", formatter_class=Defaults,
+                                 help="UringKVTier against vLLM's own file-system tier (needs vLLM)")
+    parser.add_argument("--path", help="directory for both tiers' files (default: the temp directory)")
+    parser.add_argument("--row-size", type=byte_size, action="append",
+                        help="bytes per primary row, vLLM's chunk (repeatable; default 128K and 2M)")
+    parser.add_argument("--bytes", type=byte_size, default=1 << 30, help="bytes each tier stores per row size")
+    parser.add_argument("--job", type=at_least(1), default=16, help="rows per job (a request's chunks)")
+    parser.add_argument("--jobs", type=at_least(1), default=8, help="jobs in flight at most")
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    parser.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
+    check_multiples("--row-size", args.row_size, 4096, "vLLM's rows are whole pages")
+    args.path = usable_directory(args.path)
+    rows = max(args.row_size or [2 << 20])
+    check_free_space(args.path, 2 * max(args.bytes, args.job * rows) + args.job * rows)  # both tiers' files at once
+    return main(args)

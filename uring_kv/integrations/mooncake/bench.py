@@ -26,6 +26,7 @@ of every row is not counted: it opens the TCP connections and faults the staging
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime
 import os
@@ -35,6 +36,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from uring_kv.bench.args import (
+    Defaults,
+    UsageError,
+    at_least,
+    byte_size,
+    check_free_space,
+    check_multiples,
+    usable_directory,
+)
 from uring_kv.bench.results import BatchRow, framework_report, progress_printer
 
 
@@ -73,7 +83,7 @@ def _row(method: str, block_bytes: int, times: list[float], blocks: int, verifie
 
 async def _size(block_bytes: int, batch: int, total_bytes: int, path: str, remote: Any,
                 progress: Any) -> list[Result]:
-    from uring_kv.integrations.mooncake import TieredStore
+    from uring_kv.integrations.mooncake.tiered import TieredStore
 
     blocks = max(2 * batch, total_bytes // block_bytes // batch * batch)
     rounds = blocks // batch
@@ -143,13 +153,11 @@ async def _raw(reader: Any, block_bytes: int, batch: int, rounds: int) -> Result
     try:
         if len(rows) < batch:
             raise RuntimeError("the raw row needs --batch staging rows")
-        addrs = [tier._row_addr(row) for row in rows]
         times, right = [], True
         for index in range(rounds):
             names = [tier.remote_key(k) for k in _keys("through", block_bytes, index * batch, batch)]
             started = time.perf_counter()
-            got = await tier.svc.wait(tier._submit(tier._client.batch_get_into, names, addrs,
-                                                   [tier.value_bytes] * batch))
+            got = await tier.client_get_into(names, rows)
             times.append(time.perf_counter() - started)
             right = right and all(size == tier.value_bytes for size in got)
     finally:
@@ -160,8 +168,8 @@ async def _raw(reader: Any, block_bytes: int, batch: int, rounds: int) -> Result
 def bench_mooncake(block_sizes: list[int], batch: int, total_bytes: int, path: str | None,
                    json_path: str | None) -> int:
     """Run the bench (see the module docstring); print the table; the exit status."""
-    from uring_kv.integrations.mooncake import MooncakeConfig
-    from uring_kv.integrations.mooncake_master import LocalMaster, StoreNode
+    from uring_kv.integrations.mooncake.config import MooncakeConfig
+    from uring_kv.integrations.mooncake.local import LocalMaster, StoreNode
 
     progress = progress_printer("bench-mooncake")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
@@ -186,3 +194,30 @@ def bench_mooncake(block_sizes: list[int], batch: int, total_bytes: int, path: s
     config = {"block_sizes": block_sizes, "batch": batch, "bytes": total_bytes, "host": platform.node(),
               "cpus": os.cpu_count(), "kernel": platform.release(), "date": datetime.date.today().isoformat()}
     return framework_report(title, lines, json_path, config, results)
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The command's arguments, in ``uring-kv``'s parser (:func:`command` runs it)."""
+    parser = commands.add_parser("bench-mooncake", formatter_class=Defaults,
+                                 help="the Mooncake tier's remote hits and writes on loopback TCP, with a "
+                                      "master and a store node it starts (needs Mooncake)")
+    parser.add_argument("--path", help="directory for the local tiers' files (default: the temp directory)")
+    parser.add_argument("--block-size", type=byte_size, action="append",
+                        help="bytes per block (repeatable; default 64K, 256K and 1M)")
+    parser.add_argument("--bytes", type=byte_size, default=256 << 20, help="bytes each row moves per size")
+    parser.add_argument("--batch", type=at_least(1), default=32, help="blocks per call")
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    parser.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Checks what the parser cannot (sizes, the directory, its free space), then runs the bench."""
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        raise UsageError("needs Mooncake: pip install 'uring-kv[mooncake]' (and the libibverbs1 system package)")
+    sizes = args.block_size or [64 << 10, 256 << 10, 1 << 20]
+    check_multiples("--block-size", sizes, 8, "the bench's rows are 8-byte words")
+    args.path = usable_directory(args.path)
+    check_free_space(args.path, 3 * (args.bytes + args.batch * max(sizes)))  # three stores' files of one size at once
+    return bench_mooncake(sizes, args.batch, args.bytes, args.path, args.json)

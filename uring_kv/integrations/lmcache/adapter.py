@@ -42,7 +42,6 @@ import collections
 import concurrent.futures
 import gc
 import logging
-import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -57,7 +56,8 @@ from lmcache.v1.platform import create_event_notifier
 from uring_kv._file import refuse_beyond_free_space, size_text
 from uring_kv._memory import view_of
 from uring_kv.errors import KeyIOError
-from uring_kv.integrations.lmcache_config import STORE_OPTIONS, UringKVL2AdapterConfig
+from uring_kv.integrations.config import open_store
+from uring_kv.integrations.lmcache.config import UringKVL2AdapterConfig
 from uring_kv.store import BlockStore
 from uring_kv.striped import StripedBlockStore
 from uring_kv.sync import LoopThread
@@ -89,9 +89,7 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             config = UringKVL2AdapterConfig.from_dict(config)
         if config.persistent and not config.block_bytes:
             raise ValueError("UringKVL2Adapter: a persistent adapter needs block_bytes (the chunk size)")
-        for directory in config.root_dirs:
-            if not os.path.isdir(directory):
-                raise ValueError(f"UringKVL2Adapter: root_dir {directory!r} is not a directory")
+        config.store.check_directories("UringKVL2Adapter")
         self._config = config
         self._arena = l1_memory_desc if config.rows != "staging" else None
         if config.rows == "l1" and self._arena is None:
@@ -439,15 +437,10 @@ class UringKVL2Adapter(L2AdapterInterface):  # type: ignore[misc]
             self._rows = caches.numpy()
             self._free_rows = list(range(count))
             self._staging_rows = count
-        options: dict[str, Any] = {k: getattr(cfg, k) for k in STORE_OPTIONS if getattr(cfg, k) is not None}
-        name = "uring-kv-lmcache.bin"
-        if cfg.persistent:  # a file per block size; the keys carry the model and rank
-            name = f"uring-kv-lmcache-{block}.bin"
-            options.update(persistent=True, fingerprint="uring_kv LMCache L2 adapter", fsync=cfg.fsync)
-        paths = [os.path.join(directory, name) for directory in cfg.root_dirs]
-        if len(paths) > 1:
-            return StripedBlockStore({"chunks": caches}, paths, capacity_bytes=cfg.capacity_bytes, **options)
-        return BlockStore({"chunks": caches}, paths[0], capacity_bytes=cfg.capacity_bytes, **options)
+        # a file per block size when persistent; the keys carry the model and rank
+        name = f"uring-kv-lmcache-{block}.bin" if cfg.persistent else "uring-kv-lmcache.bin"
+        return open_store({"chunks": caches}, cfg.store, name, fingerprint="uring_kv LMCache L2 adapter",
+                          threaded=False)
 
     # ---------------------------------------------------------------- the rest of the interface
     def get_usage(self) -> AdapterUsage:

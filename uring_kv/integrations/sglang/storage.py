@@ -30,22 +30,20 @@ and backup threads):
 from __future__ import annotations
 
 import gc
-import hashlib
 import itertools
 import json
 import logging
-import os
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from uring_kv.errors import KeyIOError
+from uring_kv.integrations.config import StoreConfig, fingerprint_name, open_store
 from uring_kv.sync import SyncBlockStore
 
 logger = logging.getLogger(__name__)
 
-_STORE_OPTIONS = ("num_slots", "io_depth", "direct", "io")
 # SGLang's host layouts by the axis that indexes its buffer (after the K/V and layer axes, if any):
 # token slots (a page is page_size consecutive slots) or pages.
 _TOKEN_AXIS_LAYOUTS = ("page_first", "layer_first")
@@ -105,9 +103,7 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
-        missing = [k for k in ("root_dir", "capacity_bytes") if k not in extra]
-        if missing:
-            raise ValueError(f"UringKVHiCacheStorage: extra config lacks {missing}")
+        self._config = StoreConfig.from_mapping(extra, owner="UringKVHiCacheStorage")
         if not int(extra.get("interface_v1", 0)):
             raise ValueError('UringKVHiCacheStorage needs "interface_v1": 1 in the extra config (zero-copy calls)')
         if getattr(storage_config, "is_mla_model", False) and int(getattr(storage_config, "tp_size", 1)) > 1:
@@ -117,16 +113,6 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if int(getattr(storage_config, "dcp_size", 1)) > 1:
             raise ValueError("UringKVHiCacheStorage: decode context parallelism (dcp_size > 1) is not supported")
         self.storage_config = storage_config
-        root = extra["root_dir"]
-        self._root_dirs = [root] if isinstance(root, str) else list(root)
-        if not self._root_dirs or not all(isinstance(d, str) and d for d in self._root_dirs):
-            raise ValueError(f"UringKVHiCacheStorage: root_dir must be a directory or a list of them, got {root!r}")
-        self._capacity_bytes = int(extra["capacity_bytes"])
-        self._options = {k: extra[k] for k in _STORE_OPTIONS if k in extra}
-        self._persistent = bool(extra.get("persistent", False))
-        self._fsync = extra.get("fsync")
-        if self._fsync is not None and not self._persistent:
-            raise ValueError("UringKVHiCacheStorage: fsync applies to a persistent store (persistent: true)")
         self._store: SyncBlockStore | None = None
         self._page_size = 1
 
@@ -138,18 +124,13 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise ValueError("UringKVHiCacheStorage: decode context parallelism (dcp_size > 1) is not supported")
         views = pool_page_views(mem_pool_host)
         self._page_size = int(mem_pool_host.page_size)
-        options: dict[str, Any] = dict(self._options)
-        if self._persistent:
-            fingerprint = run_fingerprint(self.storage_config, self._page_size)
+        if self._config.persistent:
             # one file per run configuration and rank: another model's pages are in another file
-            name = f"uring-kv-sglang-{hashlib.sha256(fingerprint.encode()).hexdigest()[:12]}.bin"
-            options.update(persistent=True, fingerprint=fingerprint,
-                           fsync=None if self._fsync is None else bool(self._fsync))
+            fingerprint = run_fingerprint(self.storage_config, self._page_size)
+            name = fingerprint_name("uring-kv-sglang", fingerprint)
         else:
-            name = f"uring-kv-sglang-{getattr(self.storage_config, 'tp_rank', 0)}.bin"
-        paths = [os.path.join(directory, name) for directory in self._root_dirs]
-        self._store = SyncBlockStore(views, paths[0] if len(paths) == 1 else paths,
-                                     capacity_bytes=self._capacity_bytes, **options)
+            fingerprint, name = "", f"uring-kv-sglang-{getattr(self.storage_config, 'tp_rank', 0)}.bin"
+        self._store = open_store(views, self._config, name, fingerprint=fingerprint)
         del views
 
     def _pages(self, keys: list[str], host_indices: torch.Tensor) -> list[int] | None:
@@ -215,6 +196,12 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         raise NotImplementedError('UringKVHiCacheStorage serves the zero-copy calls only ("interface_v1": 1)')
 
     # ---------------------------------------------------------------- end
+    @property
+    def store(self) -> SyncBlockStore | None:
+        """The block store (its engine's stats say whether it got O_DIRECT); None until SGLang
+        registers its host pool, and after :meth:`close`."""
+        return self._store
+
     def stats(self) -> dict[str, int]:
         """The block store's counters (keys held, capacity, evictions, failures). (SGLang's own
         ``get_stats`` expects its ``StorageMetrics``; it keeps the base class's None.)"""
