@@ -15,6 +15,7 @@ PUBLIC: list[tuple[str, Any]] = [
     ("uring_kv.TransferHandle", uring_kv.TransferHandle),
     ("uring_kv.BlockIOError", uring_kv.BlockIOError),
     ("uring_kv.EngineClosedError", uring_kv.EngineClosedError),
+    ("uring_kv.EngineBusyError", uring_kv.EngineBusyError),
     ("uring_kv.UringUnavailable", uring_kv.UringUnavailable),
     ("uring_kv.UringKVError", uring_kv.UringKVError),
     ("uring_kv.CacheLayout", uring_kv.CacheLayout),

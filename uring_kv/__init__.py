@@ -5,6 +5,7 @@ from uring_kv._layout import CacheLayout
 from uring_kv._tuning import Tuning
 from uring_kv.errors import (
     BlockIOError,
+    EngineBusyError,
     EngineClosedError,
     GeometryMismatchError,
     KeyIOError,
@@ -17,7 +18,7 @@ from uring_kv.store import BlockStore
 from uring_kv.striped import StripedBlockStore
 from uring_kv.sync import SyncBlockStore, SyncStore
 
-__all__ = ["BlockIOError", "BlockStore", "CacheLayout", "Engine", "EngineClosedError", "GeometryMismatchError",
-           "KeyIOError", "KeyMissingError", "KeyStore", "StripedBlockStore", "SyncBlockStore", "SyncStore",
-           "TransferHandle", "Tuning", "UringKVError", "UringUnavailable"]
+__all__ = ["BlockIOError", "BlockStore", "CacheLayout", "Engine", "EngineBusyError", "EngineClosedError",
+           "GeometryMismatchError", "KeyIOError", "KeyMissingError", "KeyStore", "StripedBlockStore",
+           "SyncBlockStore", "SyncStore", "TransferHandle", "Tuning", "UringKVError", "UringUnavailable"]
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uring_kv._loop import LoopServices
+from uring_kv._pressure import Pressure, Ticket
 from uring_kv._staging import Kind
 from uring_kv.errors import BlockIOError
 from uring_kv.metrics import DirectionMetrics
@@ -31,6 +32,7 @@ class Batch:
     size: int = 0
     skipped: int = 0  # blocks never started (the batch was cancelled)
     created: float = field(default_factory=time.monotonic)
+    ticket: Ticket | None = None  # its call's place in the back-pressure books
 
 
 class TransferHandle:
@@ -59,16 +61,17 @@ class Batches:
     direction); ``copier``'s ``marker()`` makes a batch's last event."""
 
     def __init__(self, services: LoopServices, copier: Any, metrics: dict[Kind, DirectionMetrics],
-                 block_bytes: int) -> None:
+                 pressure: Pressure, block_bytes: int) -> None:
         self.services = services
         self.copier = copier
+        self.pressure = pressure
         self._block_bytes = block_bytes
         self.active: set[Batch] = set()
         self.metrics = metrics
 
-    def new(self, kind: Kind, count: int) -> Batch:
+    def new(self, kind: Kind, count: int, ticket: Ticket | None = None) -> Batch:
         create = self.services.create_future
-        batch = Batch(kind, count, create(), create(), count, size=count)
+        batch = Batch(kind, count, create(), create(), count, size=count, ticket=ticket)
         self.active.add(batch)
         if count == 0:
             self.check(batch)
@@ -110,6 +113,11 @@ class Batches:
             batch.enqueued.set_result(batch.last_event)
         self.check(batch, unwaited)
 
+    def started(self, batch: Batch) -> None:
+        """``batch`` took its first slot: its call is in flight (back-pressure)."""
+        if batch.ticket is not None:
+            self.pressure.start(batch.ticket)
+
     def slot_waited(self, kind: Kind, seconds: float) -> None:
         """A batch of ``kind`` waited ``seconds`` for a slot (the metrics' slot wait)."""
         self.metrics[kind].slot_wait_s.observe(seconds)
@@ -124,6 +132,8 @@ class Batches:
         moved = batch.size - len(batch.failures) - batch.skipped
         self.metrics[batch.kind].batch_done(moved, moved * self._block_bytes, len(batch.failures), batch.skipped,
                                             time.monotonic() - batch.created, unwaited)
+        if batch.ticket is not None:
+            self.pressure.end(batch.ticket, moved * self._block_bytes)
         if batch.failures:
             batch.done.set_exception(BlockIOError("load" if batch.kind is Kind.LOAD else "store", batch.failures))
         else:

@@ -27,6 +27,7 @@ from uring_kv._io import IOBackend, NativePumps
 from uring_kv._loop import LoopServices
 from uring_kv._native import PumpsBusy
 from uring_kv._plan import Plan
+from uring_kv._pressure import Pressure, Ticket
 from uring_kv._pypump import PyPumps
 from uring_kv._staging import Kind, Lease, SlotPool
 from uring_kv._trace import Trace
@@ -116,16 +117,17 @@ class Run:
 
 class Driver:
     """Admits and drives the batches of one open engine (see the module docstring), on ``parts``
-    as its ``plan`` has them; ``metrics``: the engine's, per direction; ``trace``: Engine.trace's."""
+    as its ``plan`` has them; ``metrics`` and ``pressure``: the engine's, per direction; ``trace``:
+    Engine.trace's."""
 
     def __init__(self, services: LoopServices, plan: Plan, parts: Parts, contents: Contents, hazards: HazardTable,
-                 metrics: dict[Kind, DirectionMetrics], trace: Trace) -> None:
+                 metrics: dict[Kind, DirectionMetrics], pressure: Pressure, trace: Trace) -> None:
         self._svc, self._plan, self._trace = services, plan, trace
         self._file, self._pool, self._io, self._copier = parts.file, parts.pool, parts.io, parts.copier
         self._native = parts.native
         self._contents, self._hazards = contents, hazards
         self._gpu = plan.copier != "host"
-        self.batches = Batches(services, parts.copier, metrics, parts.file.block_bytes)
+        self.batches = Batches(services, parts.copier, metrics, pressure, parts.file.block_bytes)
         self._python = PyPumps(services, parts.io, parts.copier, parts.file, contents, self.batches,
                                parts.pool.waiting, plan.copy_call_blocks, plan.checksums)
         self.pumped = 0  # batches run in native pumps
@@ -138,11 +140,12 @@ class Driver:
         self._python.close()
 
     # ---- admission
-    def admit(self, kind: Kind, args: Args, native: bool) -> Generator[None, None, Run]:
+    def admit(self, kind: Kind, args: Args, native: bool, ticket: Ticket | None = None) -> Generator[None, None, Run]:
         """A run for the call's batch, its hazards registered (ADMIT_BLOCKS per step). ``native``:
-        a native pump may carry it (when the engine has them and one is free)."""
+        a native pump may carry it (when the engine has them and one is free); ``ticket``: the
+        call's place in the back-pressure books, ended with the batch."""
         disk, n = args.disk, len(args.disk)
-        batch = self.batches.new(kind, n)
+        batch = self.batches.new(kind, n, ticket)
         if self._gpu and (args.after is not None or n):
             # Every copy of this batch, whenever enqueued, runs after the caller's work: ``after``,
             # or by default whatever the caller's current stream holds now.
@@ -204,6 +207,7 @@ class Driver:
                     self.batches.slot_waited(kind, time.monotonic() - waited)
                     run.waits += 1
                     lease.hand_to_pump()
+                    self.batches.started(batch)
                     leases = [lease]  # and whatever else is free for the blocks left, in one hand-over
                     if (left := pump.nblocks - pump.started - 1) > 0 and pool.free:
                         leases += pool.take_for_pump(kind, left)

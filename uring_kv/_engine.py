@@ -32,6 +32,7 @@ from uring_kv._layout import CacheLayout
 from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._native import BlockCopier, PumpCopies, bitmap
 from uring_kv._plan import Geometry, Plan, make_plan
+from uring_kv._pressure import Pressure, Ticket, class_budgets
 from uring_kv._staging import Kind, SlotPool
 from uring_kv._trace import Trace
 from uring_kv._tuning import Tuning
@@ -75,12 +76,16 @@ class Engine(OpenClose):
     mode 0600, not a symlink) or created 0600, locked against other processes, never shrunk, and
     kept at close: the persistent store's file (:class:`uring_kv.BlockStore` ``persistent=True``).
     Its blocks are trusted only once :meth:`adopt` names them.
+    ``budgets``: class name ("load", "store") → bytes: past that many bytes of the class queued
+    and in flight, a call of it fails at once with :class:`~uring_kv.errors.EngineBusyError`
+    (EBUSY) instead of queueing (a call finding nothing of its class pending always goes). What
+    each class has queued and in flight, and its recent service rate, are in :meth:`metrics`.
     """
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
                  *, direct: bool | None = None, io: str | None = None, copy_delay: float = 0.0,
                  checksum: bool = False, io_depth: int | None = None, tuning: Tuning | None = None,
-                 keep_file: bool = False) -> None:
+                 keep_file: bool = False, budgets: Mapping[str, int] | None = None) -> None:
         if isinstance(num_disk_blocks, bool) or not isinstance(num_disk_blocks, int) or num_disk_blocks < 1:
             raise ValueError(f"num_disk_blocks must be a positive integer, got {num_disk_blocks!r}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -129,6 +134,7 @@ class Engine(OpenClose):
         self._hazards = HazardTable()
         self._admitting: deque[Any] = deque()  # futures: the calls being admitted, in call order
         self._metrics = {Kind.LOAD: DirectionMetrics(), Kind.STORE: DirectionMetrics()}
+        self._pressure = Pressure(class_budgets(budgets))  # per class: queued, in flight, served, budget
         self._trace = Trace()  # Engine.trace's tracer, held by the parts open() builds
         # what open() builds, from its plan
         self.plan: Plan | None = None
@@ -212,7 +218,7 @@ class Engine(OpenClose):
                                      native=plan.native_copier, delay=self._copy_delay, collect=collect)
         native = self._native_pumps(plan, uring, blocks) if uring is not None and plan.pumps else None
         self._driver = Driver(svc, plan, Parts(file, pool, self.io, self.copier, native), self._contents,
-                              self._hazards, self._metrics, self._trace)
+                              self._hazards, self._metrics, self._pressure, self._trace)
 
     def _geometry(self, file: BlockFile) -> Geometry:
         align, layout = file.alignment, self.layout
@@ -411,7 +417,16 @@ class Engine(OpenClose):
                         wait: bool) -> TransferHandle:
         """Admit the call (checked, its hazards registered in call order), then have the driver run
         it (``wait``: to its end, else until its copies are enqueued)."""
-        run = await self._admit(kind, disk_blocks, gpu_blocks, after, native)
+        try:
+            count = len(disk_blocks)
+        except TypeError:
+            count = 0  # (the argument check refuses it)
+        ticket = self._pressure.enter(kind, count * self.block_bytes)  # EngineBusyError past the budget
+        try:
+            run = await self._admit(kind, disk_blocks, gpu_blocks, after, native, ticket)  # ended with its batch
+        except BaseException:
+            self._pressure.end(ticket)  # (no batch: refused, or cancelled before admission)
+            raise
         assert self._driver is not None
         return await self._driver.run(run, wait)
 
@@ -419,12 +434,13 @@ class Engine(OpenClose):
     # sees exactly the stores called before it. A batch of more than ADMIT_BLOCKS blocks is checked
     # and registered ADMIT_BLOCKS at a time, one piece per loop turn, so no single callback does
     # Python work for a whole huge batch; calls made meanwhile queue behind it (``_admitting``).
-    async def _admit(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any, native: bool) -> Run:
+    async def _admit(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any, native: bool,
+                     ticket: Ticket) -> Run:
         if self._state == "new":  # not opened: there is no loop to compare with yet
             raise EngineClosedError("engine is new")
         if not self._svc.is_current():  # before anything is taken: a slot, a hazard, a turn
             raise RuntimeError(self._foreign("load_batch()" if kind is Kind.LOAD else "store_batch()"))
-        steps = self._admission(kind, disk_blocks, gpu_blocks, after, native)
+        steps = self._admission(kind, disk_blocks, gpu_blocks, after, native, ticket)
         queue, turn = self._admitting, None
         if queue:  # earlier calls are still being admitted: wait for them, in order
             turn = self._svc.create_future()
@@ -456,8 +472,8 @@ class Engine(OpenClose):
             self._admitting.remove(turn)
             turn.set_result(None)
 
-    def _admission(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any,
-                   native: bool) -> Generator[None, None, Run]:
+    def _admission(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any, native: bool,
+                   ticket: Ticket) -> Generator[None, None, Run]:
         """Check the call, then register its hazards (yielding between pieces of a large batch)."""
         if self._state != "open":
             raise EngineClosedError(f"engine is {self._state}")
@@ -466,7 +482,7 @@ class Engine(OpenClose):
         if self._state != "open":  # closed while a large call was being checked
             raise EngineClosedError(f"engine is {self._state}")
         assert self._driver is not None
-        return (yield from self._driver.admit(kind, args, native))
+        return (yield from self._driver.admit(kind, args, native, ticket))
 
     # ----------------------------------------------------------------- what it shows of itself
     def _gauges(self) -> dict[str, Any]:
@@ -479,9 +495,12 @@ class Engine(OpenClose):
 
     def metrics(self) -> dict[str, Any]:
         """A snapshot: per direction (``load``, ``store``) bytes, blocks, failures, cancelled blocks,
-        batches and histograms of batch latency and slot wait; gauges for leases held, copies
-        pending, I/O in flight and the oldest lease's age."""
-        snapshot: dict[str, Any] = {kind.name.lower(): m.snapshot() for kind, m in self._metrics.items()}
+        batches and histograms of batch latency and slot wait, and its back-pressure: calls and
+        bytes queued (no block started yet) and in flight, the bytes per second served over the
+        last second (``rate_bytes_s``), calls refused by its budget and the budget (0: none); gauges
+        for leases held, copies pending, I/O in flight and the oldest lease's age."""
+        snapshot: dict[str, Any] = {kind.name.lower(): {**m.snapshot(), **self._pressure.snapshot(kind)}
+                                    for kind, m in self._metrics.items()}
         snapshot.update(self._gauges())
         return snapshot
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+from typing import Any
 
 
 class UringKVError(Exception):
@@ -16,6 +17,20 @@ class UringUnavailable(UringKVError):
 
 class EngineClosedError(UringKVError, RuntimeError):
     """The engine was closed (or is closing) and accepts no more work."""
+
+
+class EngineBusyError(UringKVError, OSError):
+    """A call refused at once, having taken nothing: its class's queued and in-flight bytes would
+    pass the budget given to the engine (``Engine(budgets=...)``). errno EBUSY; ``kind`` ("load",
+    "store"), the call's ``nbytes``, the class's ``pending`` bytes and its ``budget``."""
+
+    def __init__(self, kind: str, nbytes: int, pending: int, budget: int) -> None:
+        super().__init__(_errno.EBUSY, f"{kind} of {nbytes} bytes refused: {pending} bytes of {kind}s are queued "
+                                       f"or in flight, the budget is {budget}")
+        self.kind, self.nbytes, self.pending, self.budget = kind, nbytes, pending, budget
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.kind, self.nbytes, self.pending, self.budget)
 
 
 class GeometryMismatchError(UringKVError, ValueError):

@@ -104,6 +104,22 @@ class PrometheusCollector:
                 histogram.add_metric([*self.labels.values(), direction], list(zip(edges, data["cumulative"],
                                      strict=True)), data["sum"])
             yield histogram
+        pressure = {"queued_calls": "calls queued (no block started yet)", "queued_bytes": "bytes of the calls queued",
+                    "inflight_calls": "calls with a block started, not finished",
+                    "inflight_bytes": "bytes of the calls in flight",
+                    "rate_bytes_per_second": "bytes per second served over the last second",
+                    "budget_bytes": "bytes queued and in flight past which a call is refused (0: no budget)"}
+        for key, text in pressure.items():
+            gauge = GaugeMetricFamily(f"{self.prefix}_{key}", text, labels=names)
+            for direction in ("load", "store"):
+                gauge.add_metric([*self.labels.values(), direction],
+                                 snap[direction]["rate_bytes_s" if key == "rate_bytes_per_second" else key])
+            yield gauge
+        refused = CounterMetricFamily(f"{self.prefix}_refused_calls", "calls refused by the budget (EBUSY)",
+                                      labels=names)
+        for direction in ("load", "store"):
+            refused.add_metric([*self.labels.values(), direction], snap[direction]["refused_calls"])
+        yield refused
         for key, text in (("leases_held", "staging slots held"), ("copies_pending", "copy events not yet seen"),
                           ("io_inflight", "reads and writes in flight"),
                           ("oldest_lease_age_s", "age of the oldest held slot in seconds (grows if stuck)")):
