@@ -126,7 +126,7 @@ int ukv_iowq_max_workers(struct ukv_ring *r, unsigned *bounded, unsigned *unboun
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n);
 
 struct ukv_pump {  /* only what Python reads (and nblocks, which keep_only() lowers); ukv_pump_new fills in the rest */
-    int id, stop;
+    int id, stop, klass;
     unsigned next, inflight, nreleased, nfailed, parked_empty, nblocks;
     uint32_t *released;
     uint32_t *failed;

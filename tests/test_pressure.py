@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from uring_kv import BlockStore, EngineBusyError
 from uring_kv._pressure import WINDOW_S, Pressure
-from uring_kv._staging import Kind
+from uring_kv._staging import IOClass
 from uring_kv.metrics import PrometheusCollector
 from uring_kv.testing import ELEMS, fill, id_caches, identify, store_identity
 
@@ -105,7 +105,7 @@ async def test_a_call_refused_by_its_arguments_leaves_the_books(make_engine: Eng
 
 
 @pytest.mark.parametrize(("budgets", "error", "message"), [
-    ({"prefetch": 1}, ValueError, "budgets: unknown class 'prefetch' (classes: load, store)"),
+    ({"demand": 1}, ValueError, "budgets: unknown class 'demand' (classes: load, prefetch, store)"),
     ({"store": 0}, ValueError, "budgets['store'] must be a positive number of bytes, got 0"),
     ({"load": True}, ValueError, "budgets['load'] must be a positive number of bytes, got True"),
     ([("store", 1)], TypeError, "budgets must be a mapping of class name to bytes, got list"),
@@ -121,15 +121,15 @@ def test_the_service_rate_counts_the_last_window_only() -> None:
     now = [100.0]
     pressure = Pressure({}, clock=lambda: now[0])
     for nbytes in (1000, 3000):
-        ticket = pressure.enter(Kind.LOAD, nbytes)
+        ticket = pressure.enter(IOClass.DEMAND, nbytes)
         pressure.start(ticket)
         pressure.end(ticket, nbytes)
         now[0] += 0.4
-    assert pressure.snapshot(Kind.LOAD)["rate_bytes_s"] == 4000 / WINDOW_S
+    assert pressure.snapshot(IOClass.DEMAND)["rate_bytes_s"] == 4000 / WINDOW_S
     now[0] += WINDOW_S - 0.5  # the first call ended more than a window ago, the second not
-    assert pressure.snapshot(Kind.LOAD)["rate_bytes_s"] == 3000 / WINDOW_S
+    assert pressure.snapshot(IOClass.DEMAND)["rate_bytes_s"] == 3000 / WINDOW_S
     now[0] += 1.0
-    assert pressure.snapshot(Kind.LOAD)["rate_bytes_s"] == 0
+    assert pressure.snapshot(IOClass.DEMAND)["rate_bytes_s"] == 0
 
 
 async def test_a_store_refused_as_busy_keeps_the_key_out_and_the_store_whole(tmp_path: Path) -> None:
@@ -155,8 +155,9 @@ async def test_prometheus_sees_each_class_queued_in_flight_served_and_refused(ma
         registry.register(PrometheusCollector(engine, labels={"engine": "test"}))
         await engine.store_batch([0, 1], [0, 1])
         text = generate_latest(registry).decode()
-        assert 'uring_kv_queued_calls{direction="store",engine="test"} 0.0' in text
-        assert 'uring_kv_inflight_bytes{direction="load",engine="test"} 0.0' in text
-        assert f'uring_kv_rate_bytes_per_second{{direction="store",engine="test"}} {2.0 * engine.block_bytes}' in text
-        assert 'uring_kv_budget_bytes{direction="store",engine="test"} 1.048576e+06' in text
-        assert 'uring_kv_refused_calls_total{direction="load",engine="test"} 0.0' in text
+        assert 'uring_kv_queued_calls{class="store",engine="test"} 0.0' in text
+        assert 'uring_kv_inflight_bytes{class="load",engine="test"} 0.0' in text
+        assert 'uring_kv_queued_bytes{class="prefetch",engine="test"} 0.0' in text
+        assert f'uring_kv_rate_bytes_per_second{{class="store",engine="test"}} {2.0 * engine.block_bytes}' in text
+        assert 'uring_kv_budget_bytes{class="store",engine="test"} 1.048576e+06' in text
+        assert 'uring_kv_refused_calls_total{class="load",engine="test"} 0.0' in text

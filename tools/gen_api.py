@@ -16,6 +16,7 @@ PUBLIC: list[tuple[str, Any]] = [
     ("uring_kv.BlockIOError", uring_kv.BlockIOError),
     ("uring_kv.EngineClosedError", uring_kv.EngineClosedError),
     ("uring_kv.EngineBusyError", uring_kv.EngineBusyError),
+    ("uring_kv.Prefetch", uring_kv.Prefetch),
     ("uring_kv.UringUnavailable", uring_kv.UringUnavailable),
     ("uring_kv.UringKVError", uring_kv.UringKVError),
     ("uring_kv.CacheLayout", uring_kv.CacheLayout),

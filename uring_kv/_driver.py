@@ -29,7 +29,7 @@ from uring_kv._native import PumpsBusy
 from uring_kv._plan import Plan
 from uring_kv._pressure import Pressure, Ticket
 from uring_kv._pypump import PyPumps
-from uring_kv._staging import Kind, Lease, SlotPool
+from uring_kv._staging import IOClass, Kind, Lease, SlotPool
 from uring_kv._trace import Trace
 from uring_kv.metrics import DirectionMetrics
 
@@ -65,6 +65,10 @@ class Pump(Protocol):
 
     def stop(self) -> None:
         """Start no further block (those in flight finish)."""
+
+    def set_class(self, cls: IOClass) -> None:
+        """Its class from now on: which waiting batches it hands its slots to, and (native) its
+        turn for I/O room."""
 
     def keep_only(self, positions: list[int]) -> None:
         """Before any block started: carry only the blocks at ``positions`` (ascending)."""
@@ -114,6 +118,14 @@ class Run:
         self.handle_event = True  # the caller gets a handle whose event must be made (not load/store_batch)
         self.pump = pump_for(functools.partial(progress, self))
 
+    @property
+    def cls(self) -> IOClass:
+        """Its class now (a prefetch may be made a demand load while it runs)."""
+        ticket = self.batch.ticket
+        if ticket is not None:
+            return ticket.cls
+        return IOClass.STORE if self.batch.kind is Kind.STORE else IOClass.DEMAND
+
 
 class Driver:
     """Admits and drives the batches of one open engine (see the module docstring), on ``parts``
@@ -131,6 +143,7 @@ class Driver:
         self._python = PyPumps(services, parts.io, parts.copier, parts.file, contents, self.batches,
                                parts.pool.waiting, plan.copy_call_blocks, plan.checksums)
         self.pumped = 0  # batches run in native pumps
+        self._prefetches: dict[Ticket, Run] = {}  # prefetch runs not finished, by their call's ticket
 
     def stats(self) -> dict[str, Any]:
         """``active_batches``, and ``pumped_batches``: how many ran in native pumps."""
@@ -138,6 +151,16 @@ class Driver:
 
     def close(self) -> None:
         self._python.close()
+
+    def upgrade(self, ticket: Ticket) -> None:
+        """The call of ``ticket`` (a prefetch, its ticket already of its new class) is a demand load
+        from now on: if it waits for a slot, it waits with the demand loads; its pump hands slots
+        to, and takes I/O room as, a demand load. The blocks it has read stay read."""
+        run = self._prefetches.pop(ticket, None)
+        if run is None or run.finished:
+            return
+        self._pool.reclass(ticket, ticket.cls)
+        run.pump.set_class(ticket.cls)
 
     # ---- admission
     def admit(self, kind: Kind, args: Args, native: bool, ticket: Ticket | None = None) -> Generator[None, None, Run]:
@@ -152,6 +175,8 @@ class Driver:
             self._copier.order_after(kind is Kind.STORE, args.after)
         run = Run(batch, disk, args.disk_c, self._svc.create_future(), self._progress,
                   functools.partial(self._pump, kind, args, batch, native))
+        if ticket is not None and ticket.cls is IOClass.PREFETCH:
+            self._prefetches[ticket] = run  # until it ends: upgrade() finds it
         register, phase_done, deps = self._hazards.register, run.phase_done, run.deps
         for lo in range(0, n, ADMIT_BLOCKS):
             if lo:
@@ -170,8 +195,13 @@ class Driver:
                 pass
             else:
                 self.pumped += 1
+                if batch.ticket is not None:
+                    pump.set_class(batch.ticket.cls)
                 return pump
-        return self._python.pump(kind, batch, args.disk, args.gpu, on_progress, self._trace.fn)
+        python = self._python.pump(kind, batch, args.disk, args.gpu, on_progress, self._trace.fn)
+        if batch.ticket is not None:
+            python.set_class(batch.ticket.cls)
+        return python
 
     # ---- driving
     async def run(self, run: Run, wait: bool) -> TransferHandle:
@@ -203,14 +233,14 @@ class Driver:
             while pump.started < pump.nblocks:
                 if pump.slots == 0:
                     waited = time.monotonic()
-                    lease = await pool.acquire(kind)
+                    lease = await pool.acquire(run.cls, run.batch.ticket)
                     self.batches.slot_waited(kind, time.monotonic() - waited)
                     run.waits += 1
                     lease.hand_to_pump()
                     self.batches.started(batch)
                     leases = [lease]  # and whatever else is free for the blocks left, in one hand-over
                     if (left := pump.nblocks - pump.started - 1) > 0 and pool.free:
-                        leases += pool.take_for_pump(kind, left)
+                        leases += pool.take_for_pump(run.cls, left)
                     self._grow(run, leases)
                 else:
                     run.wake = svc.create_future()
@@ -259,7 +289,7 @@ class Driver:
                 release(leases[index])  # PUMPING → FREE: the pump's last I/O and copy in it are done
         left = pump.nblocks - pump.started - pump.unstarted_slots  # blocks no slot is meant for yet
         if left > 0 and pump.slots and pool.free and not pump.stopped:
-            more = pool.take_for_pump(run.batch.kind, left)
+            more = pool.take_for_pump(run.cls, left)
             if more:
                 self._grow(run, more)
                 return
@@ -273,6 +303,8 @@ class Driver:
         if tracer is not None:
             tracer("finished", run.batch.kind, run.pump.started)
         run.finished = True
+        if run.batch.ticket is not None:
+            self._prefetches.pop(run.batch.ticket, None)
         pump = run.pump
         pump.close()
         batch, disk, started = run.batch, run.disk, pump.started

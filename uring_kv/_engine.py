@@ -32,8 +32,9 @@ from uring_kv._layout import CacheLayout
 from uring_kv._loop import LoopServices, OpenClose, current_services
 from uring_kv._native import BlockCopier, PumpCopies, bitmap
 from uring_kv._plan import Geometry, Plan, make_plan
+from uring_kv._prefetch import Prefetch
 from uring_kv._pressure import Pressure, Ticket, class_budgets
-from uring_kv._staging import Kind, SlotPool
+from uring_kv._staging import IOClass, Kind, SlotPool
 from uring_kv._trace import Trace
 from uring_kv._tuning import Tuning
 from uring_kv.errors import EngineClosedError
@@ -76,10 +77,13 @@ class Engine(OpenClose):
     mode 0600, not a symlink) or created 0600, locked against other processes, never shrunk, and
     kept at close: the persistent store's file (:class:`uring_kv.BlockStore` ``persistent=True``).
     Its blocks are trusted only once :meth:`adopt` names them.
-    ``budgets``: class name ("load", "store") → bytes: past that many bytes of the class queued
-    and in flight, a call of it fails at once with :class:`~uring_kv.errors.EngineBusyError`
-    (EBUSY) instead of queueing (a call finding nothing of its class pending always goes). What
-    each class has queued and in flight, and its recent service rate, are in :meth:`metrics`.
+    ``budgets``: class name ("load" for demand loads, "prefetch", "store") → bytes: past that many
+    bytes of the class queued and in flight, a call of it fails at once with
+    :class:`~uring_kv.errors.EngineBusyError` (EBUSY) instead of queueing (a call finding nothing
+    of its class pending always goes). What each class has queued and in flight, and its recent
+    service rate, are in :meth:`metrics`. Slots and I/O room go to demand loads, then prefetches
+    (``load_batch(..., prefetch=...)``), then stores; a store that has waited 50 ms for a slot
+    goes first (``_staging.STORE_AGING_S``).
     """
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
@@ -355,8 +359,12 @@ class Engine(OpenClose):
         return self._state == "closed"
 
     # ----------------------------------------------------------------- public API
-    async def load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int], after: Any = None) -> None:
+    async def load_batch(self, disk_blocks: Sequence[int], gpu_blocks: Sequence[int], after: Any = None, *,
+                         prefetch: Prefetch | None = None) -> None:
         """Read ``disk_blocks`` into ``gpu_blocks``; returns once the bytes are on the device.
+
+        ``prefetch``: run it as a prefetch (behind every demand load for slots and I/O room, ahead
+        of stores) until ``prefetch.upgrade()`` makes it a demand load, keeping the blocks read.
 
         GPU mode: the copies into ``gpu_blocks`` run after ``after`` (a ``torch.cuda.Event``, e.g.
         recorded after the blocks' last use), or by default after the work queued so far on the
@@ -365,7 +373,7 @@ class Engine(OpenClose):
         If cancelled, no further block is started, and the call returns (raising CancelledError)
         only once the blocks already started have finished: after it, the engine no longer touches
         ``gpu_blocks``."""
-        await self._transfer(Kind.LOAD, disk_blocks, gpu_blocks, after, native=True, wait=True)
+        await self._transfer(Kind.LOAD, disk_blocks, gpu_blocks, after, native=True, wait=True, prefetch=prefetch)
 
     async def store_batch(self, gpu_blocks: Sequence[int], disk_blocks: Sequence[int], after: Any = None) -> None:
         """Write ``gpu_blocks`` to ``disk_blocks``; returns once the bytes are in the file.
@@ -414,21 +422,44 @@ class Engine(OpenClose):
 
     # ----------------------------------------------------------------- admission
     async def _transfer(self, kind: Kind, disk_blocks: Any, gpu_blocks: Any, after: Any, native: bool,
-                        wait: bool) -> TransferHandle:
+                        wait: bool, prefetch: Prefetch | None = None) -> TransferHandle:
         """Admit the call (checked, its hazards registered in call order), then have the driver run
         it (``wait``: to its end, else until its copies are enqueued)."""
+        if prefetch is not None and not isinstance(prefetch, Prefetch):
+            raise TypeError(f"prefetch must be a uring_kv.Prefetch, got {type(prefetch).__name__}")
         try:
             count = len(disk_blocks)
         except TypeError:
             count = 0  # (the argument check refuses it)
-        ticket = self._pressure.enter(kind, count * self.block_bytes)  # EngineBusyError past the budget
+        if kind is Kind.STORE:
+            cls = IOClass.STORE
+        else:
+            cls = IOClass.PREFETCH if prefetch is not None and not prefetch.upgraded else IOClass.DEMAND
+        ticket = self._pressure.enter(cls, count * self.block_bytes)  # EngineBusyError past the budget
         try:
+            if cls is IOClass.PREFETCH and not prefetch.bind(functools.partial(self._upgrade, ticket)):  # type: ignore[union-attr]
+                self._upgrade(ticket)  # upgraded just now
             run = await self._admit(kind, disk_blocks, gpu_blocks, after, native, ticket)  # ended with its batch
         except BaseException:
             self._pressure.end(ticket)  # (no batch: refused, or cancelled before admission)
             raise
         assert self._driver is not None
+        if cls is not ticket.cls:  # upgraded while it was being admitted
+            self._driver.upgrade(ticket)
         return await self._driver.run(run, wait)
+
+    def _upgrade(self, ticket: Ticket) -> None:
+        """A prefetch's ``upgrade()``, from any thread: its call is a demand load from now on."""
+        svc = self._svc if self._state != "new" else None
+        if svc is not None and not svc.is_current():
+            with contextlib.suppress(RuntimeError):  # the loop has ended: so has the call
+                svc.call_soon_threadsafe(self._upgrade, ticket)
+            return
+        if ticket.ended or ticket.cls is not IOClass.PREFETCH:
+            return
+        self._pressure.reclass(ticket, IOClass.DEMAND)
+        if self._driver is not None:
+            self._driver.upgrade(ticket)
 
     # A call's hazards are registered in call order, all of them before any later call's: a load
     # sees exactly the stores called before it. A batch of more than ADMIT_BLOCKS blocks is checked
@@ -495,12 +526,16 @@ class Engine(OpenClose):
 
     def metrics(self) -> dict[str, Any]:
         """A snapshot: per direction (``load``, ``store``) bytes, blocks, failures, cancelled blocks,
-        batches and histograms of batch latency and slot wait, and its back-pressure: calls and
+        batches and histograms of batch latency and slot wait (prefetches count as loads there);
+        per class (``load``: demand loads, ``prefetch``, ``store``) its back-pressure: calls and
         bytes queued (no block started yet) and in flight, the bytes per second served over the
         last second (``rate_bytes_s``), calls refused by its budget and the budget (0: none); gauges
         for leases held, copies pending, I/O in flight and the oldest lease's age."""
-        snapshot: dict[str, Any] = {kind.name.lower(): {**m.snapshot(), **self._pressure.snapshot(kind)}
-                                    for kind, m in self._metrics.items()}
+        pressure, metrics = self._pressure, self._metrics
+        snapshot: dict[str, Any] = {
+            "load": {**metrics[Kind.LOAD].snapshot(), **pressure.snapshot(IOClass.DEMAND)},
+            "store": {**metrics[Kind.STORE].snapshot(), **pressure.snapshot(IOClass.STORE)},
+            "prefetch": pressure.snapshot(IOClass.PREFETCH)}
         snapshot.update(self._gauges())
         return snapshot
 

@@ -260,7 +260,7 @@ class NativePump:
     """A batch run in C on ``ring``: see ``struct ukv_pump`` in csrc/pump.c.
 
     Blocks ``i`` go between file offset ``offsets[i]`` and cache block ``cache_blocks[i]`` of every
-    tensor of ``blocks``; ``waiting`` (an int32[2] from :func:`counters`) are the slot pool's waiter
+    tensor of ``blocks``; ``waiting`` (an int32[3] from :func:`counters`) are the slot pool's waiter
     counts, read by C before it reuses a slot. ``on_progress()`` runs on the ring's thread after
     each reap or collection in which the pump moved (see :class:`NativeRing`). Call on the ring's
     thread only; :meth:`detach` once :attr:`finished`."""
@@ -316,6 +316,11 @@ class NativePump:
     def stop(self) -> None:
         """Start no further block (those in flight finish)."""
         self._p.stop = 1
+
+    def set_class(self, cls: int) -> None:
+        """Its class from now on (0 demand load, 1 prefetch, 2 store): which waiters it hands its
+        slots to, and its turn for I/O room (see ``klass`` in csrc/ukv.h)."""
+        self._p.klass = int(cls)
 
     def add_slots(self, slots: Sequence[int], addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
         """Hand the pump more slots, named by their pool index (below ``max_slots``); it starts a

@@ -1,12 +1,14 @@
 """Back-pressure: what each class of calls has queued and in flight, how fast the engine serves it,
 and the budget past which a call of that class is refused at once instead of queueing.
 
-A class is a call's kind (loads, stores). A call is *queued* from the moment it is made until its
+A class is a call's urgency (:class:`~uring_kv._staging.IOClass`, named as callers name it: "load"
+for demand loads, "prefetch", "store"). A call is *queued* from the moment it is made until its
 first block starts (waiting for its turn at admission, for the hazards before it, or for a slot),
-then *in flight* until its batch ends; its bytes are its blocks × the block's bytes. The service
-rate is the bytes of the calls that ended in the last ``WINDOW_S`` seconds, per second. A framework's
-scheduler reads these (``Engine.metrics()``) before it submits more: stores that keep queueing
-while loads wait are what it should hold back.
+then *in flight* until its batch ends; its bytes are its blocks × the block's bytes. A prefetch
+made a demand load moves to that class's books. The service rate is the bytes of the calls that
+ended in the last ``WINDOW_S`` seconds, per second. A framework's scheduler reads these
+(``Engine.metrics()``) before it submits more: stores that keep queueing while loads wait are what
+it should hold back.
 
 A budget (``Engine(budgets={"store": bytes, ...})``) bounds a class's queued and in-flight bytes:
 a call that would pass it fails at once with :class:`~uring_kv.errors.EngineBusyError` (EBUSY),
@@ -21,20 +23,21 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from uring_kv._staging import Kind
+from uring_kv._staging import IOClass
 from uring_kv.errors import EngineBusyError
 
 WINDOW_S = 1.0  # the service rate's window
+CLASS_NAMES = {IOClass.DEMAND: "load", IOClass.PREFETCH: "prefetch", IOClass.STORE: "store"}
 
 
-def class_budgets(budgets: Mapping[str, int] | None) -> dict[Kind, int]:
-    """``Engine(budgets=...)`` checked: class name ("load", "store") → bytes, each positive."""
+def class_budgets(budgets: Mapping[str, int] | None) -> dict[IOClass, int]:
+    """``Engine(budgets=...)`` checked: class name ("load", "prefetch", "store") → bytes, each positive."""
     if budgets is None:
         return {}
     if not isinstance(budgets, Mapping):
         raise TypeError(f"budgets must be a mapping of class name to bytes, got {type(budgets).__name__}")
-    names = {kind.name.lower(): kind for kind in Kind}
-    checked: dict[Kind, int] = {}
+    names = {name: cls for cls, name in CLASS_NAMES.items()}
+    checked: dict[IOClass, int] = {}
     for name, limit in budgets.items():
         if name not in names:
             raise ValueError(f"budgets: unknown class {name!r} (classes: {', '.join(names)})")
@@ -47,10 +50,10 @@ def class_budgets(budgets: Mapping[str, int] | None) -> dict[Kind, int]:
 class Ticket:
     """One call's place in its class's books, from the call to its batch's end."""
 
-    __slots__ = ("ended", "kind", "nbytes", "started")
+    __slots__ = ("cls", "ended", "nbytes", "started")
 
-    def __init__(self, kind: Kind, nbytes: int) -> None:
-        self.kind, self.nbytes = kind, nbytes
+    def __init__(self, cls: IOClass, nbytes: int) -> None:
+        self.cls, self.nbytes = cls, nbytes
         self.started = self.ended = False
 
 
@@ -106,46 +109,54 @@ class ClassPressure:
 class Pressure:
     """An engine's books per class (see the module docstring), on the loop's thread only."""
 
-    def __init__(self, budgets: Mapping[Kind, int], clock: Callable[[], float] = time.monotonic) -> None:
-        self.classes = {kind: ClassPressure(budgets.get(kind), clock) for kind in Kind}
+    def __init__(self, budgets: Mapping[IOClass, int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.classes = {cls: ClassPressure(budgets.get(cls), clock) for cls in IOClass}
 
-    def enter(self, kind: Kind, nbytes: int) -> Ticket:
-        """A call of ``kind`` moving ``nbytes``, queued; EngineBusyError past its class's budget."""
-        books = self.classes[kind]
+    def enter(self, cls: IOClass, nbytes: int) -> Ticket:
+        """A call of ``cls`` moving ``nbytes``, queued; EngineBusyError past its class's budget."""
+        books = self.classes[cls]
         pending = books.pending_bytes
         if books.budget is not None and pending and pending + nbytes > books.budget:
             books.refused_calls += 1
-            raise EngineBusyError(kind.name.lower(), nbytes, pending, books.budget)
+            raise EngineBusyError(CLASS_NAMES[cls], nbytes, pending, books.budget)
         books.queued_calls += 1
         books.queued_bytes += nbytes
-        return Ticket(kind, nbytes)
+        return Ticket(cls, nbytes)
+
+    def _move(self, ticket: Ticket, sign: int) -> None:
+        books = self.classes[ticket.cls]
+        if ticket.started:
+            books.inflight_calls += sign
+            books.inflight_bytes += sign * ticket.nbytes
+        else:
+            books.queued_calls += sign
+            books.queued_bytes += sign * ticket.nbytes
 
     def start(self, ticket: Ticket) -> None:
         """The call's first block started: queued → in flight (once)."""
         if ticket.started or ticket.ended:
             return
+        self._move(ticket, -1)
         ticket.started = True
-        books = self.classes[ticket.kind]
-        books.queued_calls -= 1
-        books.queued_bytes -= ticket.nbytes
-        books.inflight_calls += 1
-        books.inflight_bytes += ticket.nbytes
+        self._move(ticket, +1)
+
+    def reclass(self, ticket: Ticket, cls: IOClass) -> None:
+        """The call is of ``cls`` from now on (a prefetch made a demand load): its books move."""
+        if not ticket.ended:
+            self._move(ticket, -1)
+        ticket.cls = cls
+        if not ticket.ended:
+            self._move(ticket, +1)
 
     def end(self, ticket: Ticket, moved_bytes: int = 0) -> None:
         """The call is over (its batch ended, or it was refused before it had one); ``moved_bytes``
         count towards the class's service rate. Once per ticket."""
         if ticket.ended:
             return
+        self._move(ticket, -1)
         ticket.ended = True
-        books = self.classes[ticket.kind]
-        if ticket.started:
-            books.inflight_calls -= 1
-            books.inflight_bytes -= ticket.nbytes
-        else:
-            books.queued_calls -= 1
-            books.queued_bytes -= ticket.nbytes
         if moved_bytes:
-            books.served(moved_bytes)
+            self.classes[ticket.cls].served(moved_bytes)
 
-    def snapshot(self, kind: Kind) -> dict[str, Any]:
-        return self.classes[kind].snapshot()
+    def snapshot(self, cls: IOClass) -> dict[str, Any]:
+        return self.classes[cls].snapshot()

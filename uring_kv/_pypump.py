@@ -37,7 +37,7 @@ from uring_kv._file import BlockFile
 from uring_kv._io import IOBackend, Op
 from uring_kv._loop import LoopServices
 from uring_kv._memory import view_of
-from uring_kv._staging import Kind
+from uring_kv._staging import IOClass, Kind
 from uring_kv._trace import Tracer
 
 _Slot = tuple[int, int]  # (pool index, address)
@@ -113,6 +113,7 @@ class PyPump:
                  on_progress: Callable[[], None], tracer: Tracer | None) -> None:
         self._kind = kind
         self._write = kind is Kind.STORE
+        self._cls = IOClass.STORE if self._write else IOClass.DEMAND  # set_class() may change it
         self._batch, self._batches, self._svc = batch, kit.batches, kit.services
         self._io, self._copier = kit.io, kit.copier
         self._file, self._contents, self._summer = kit.file, kit.contents, kit.summer
@@ -133,6 +134,9 @@ class PyPump:
         self._failed: list[tuple[int, int]] = []
 
     # ---- the pump interface (see NativePump)
+    def set_class(self, cls: IOClass) -> None:
+        self._cls = cls
+
     @property
     def started(self) -> int:
         return self._next
@@ -236,8 +240,9 @@ class PyPump:
 
     def _slot_free(self, index: int, addr: int) -> None:
         """The block in this slot is done (its last I/O and copy have completed)."""
-        waiting = self._waiting
-        if waiting[0] or (self._write and waiting[1]):  # another batch waits: let it have the slot
+        waiting, cls = self._waiting, self._cls
+        # a batch of its class or a more urgent one waits: let it have the slot
+        if waiting[0] or (cls and waiting[1]) or (cls is IOClass.STORE and waiting[2]):
             self._held -= 1
             self._released.append(index)
         else:

@@ -30,8 +30,13 @@ The single exception is a RESERVED lease (granted, never handed to a pump) whose
 cancelled before it used it: nobody else has seen that slot, so it goes straight back
 (:meth:`SlotPool.release_unused`).
 
-Acquisition is FIFO within a class, and loads (latency-critical) are served before stores. Every
-transition is checked: a wrong one raises instead of silently sharing a slot.
+Acquisition is FIFO within a class (:class:`IOClass`), and the classes are served by urgency:
+demand loads (a request waits for them now) before prefetches (loads that may be needed soon)
+before stores, here and in the pumps (a pump hands its slot back, rather than starting its next
+block in it, when a batch of its class or a more urgent one waits). Stores age: once the oldest
+waiting store has waited ``STORE_AGING_S``, the next slot freed is its, and no other call takes a
+free slot past it, so a stream of loads delays a store by at most that plus the blocks then in
+flight. Every transition is checked: a wrong one raises instead of silently sharing a slot.
 """
 
 from __future__ import annotations
@@ -53,8 +58,25 @@ class LeaseState(enum.Enum):
 
 
 class Kind(enum.IntEnum):
+    """A batch's direction."""
+
     LOAD = 0
     STORE = 1
+
+
+class IOClass(enum.IntEnum):
+    """A call's urgency: slots and I/O room go to the lower value first."""
+
+    DEMAND = 0  # a load a request is waiting for
+    PREFETCH = 1  # a load that may be needed soon: never ahead of a demand load
+    STORE = 2
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.STORE if self is IOClass.STORE else Kind.LOAD
+
+
+STORE_AGING_S = 0.05  # a store waiting this long for a slot is served before any load
 
 
 class LeaseError(RuntimeError):
@@ -83,6 +105,15 @@ class Lease:
         return f"<Lease slot={self.index} {self.kind.name.lower()} {self.state.value}>"
 
 
+class _Waiter:
+    """A call waiting in :meth:`SlotPool.acquire`: its future, its class, since when, for whom."""
+
+    __slots__ = ("cls", "fut", "owner", "since")
+
+    def __init__(self, fut: Any, cls: IOClass, owner: Any) -> None:
+        self.fut, self.cls, self.owner, self.since = fut, cls, owner, time.monotonic()
+
+
 class SlotPool:
     """``num_slots`` slots of ``stride`` bytes in one page-aligned slab (on huge pages where the
     kernel gives them: see :class:`HostBuffer`)."""
@@ -93,10 +124,11 @@ class SlotPool:
         self.stride = stride
         self.leases = [Lease(i, self.slab.addr + i * stride) for i in range(num_slots)]
         self._free: deque[Lease] = deque(self.leases)
-        self._waiters: tuple[deque[Any], deque[Any]] = (deque(), deque())  # futures of Lease
-        # Per kind: waiters not yet granted nor cancelled. C memory: native pumps read it before
-        # they reuse a slot, and hand the slot back instead while somebody waits.
-        self._waiting = counters(2)
+        self._waiters: tuple[deque[_Waiter], ...] = tuple(deque() for _ in IOClass)  # per class, in arrival order
+        # Per class: waiters not yet granted nor cancelled. C memory: native pumps read it before
+        # they reuse a slot, and hand the slot back instead while somebody of their class or a
+        # more urgent one waits.
+        self._waiting = counters(len(IOClass))
         self.reissues = 0  # leases handed out, for tests and metrics
 
     @property
@@ -109,37 +141,47 @@ class SlotPool:
 
     @property
     def waiting(self) -> Any:
-        """The waiter counts ([loads, stores]) as C memory, for native pumps."""
+        """The waiter counts per :class:`IOClass` as C memory, for native pumps."""
         return self._waiting
 
-    def _grant(self, lease: Lease, kind: Kind) -> Lease:
+    def _grant(self, lease: Lease, cls: IOClass) -> Lease:
         lease.state = LeaseState.RESERVED
-        lease.kind = kind
+        lease.kind = cls.kind
         lease.since = time.monotonic()
         self.reissues += 1
         return lease
 
-    def _may_bypass(self, kind: Kind) -> bool:
-        if kind is Kind.LOAD:
-            return not self._waiting[Kind.LOAD]
-        return not self._waiting[Kind.LOAD] and not self._waiting[Kind.STORE]
+    def _store_aged(self) -> bool:
+        """The oldest waiting store has waited STORE_AGING_S: it goes first."""
+        queue = self._waiters[IOClass.STORE]
+        while queue and queue[0].fut.done():  # cancelled
+            queue.popleft()
+        return bool(queue) and time.monotonic() - queue[0].since >= STORE_AGING_S
 
-    def try_acquire(self, kind: Kind, limit: int) -> list[Lease]:
+    def _may_bypass(self, cls: IOClass) -> bool:
+        """Whether a call of ``cls`` may take a free slot now: nobody of its class or a more urgent
+        one waits, and no store has aged."""
+        waiting = self._waiting
+        if any(waiting[c] for c in range(cls + 1)):
+            return False
+        return cls is IOClass.STORE or not waiting[IOClass.STORE] or not self._store_aged()
+
+    def try_acquire(self, cls: IOClass, limit: int) -> list[Lease]:
         """Up to ``limit`` free leases now, without jumping the queue."""
         got: list[Lease] = []
-        if self._may_bypass(kind):
+        if self._free and self._may_bypass(cls):
             while self._free and len(got) < limit:
-                got.append(self._grant(self._free.popleft(), kind))
+                got.append(self._grant(self._free.popleft(), cls))
         return got
 
-    def take_for_pump(self, kind: Kind, limit: int) -> list[Lease]:
+    def take_for_pump(self, cls: IOClass, limit: int) -> list[Lease]:
         """Up to ``limit`` free leases handed straight to a native pump (FREE → PUMPING, i.e.
         :meth:`try_acquire` and :meth:`Lease.hand_to_pump` in one pass), without jumping the queue."""
         got: list[Lease] = []
         free = self._free
         count = min(limit, len(free))
-        if count > 0 and self._may_bypass(kind):
-            now, pumping = time.monotonic(), LeaseState.PUMPING
+        if count > 0 and self._may_bypass(cls):
+            now, pumping, kind = time.monotonic(), LeaseState.PUMPING, cls.kind
             for _ in range(count):
                 lease = free.popleft()
                 lease.state, lease.kind, lease.since = pumping, kind, now
@@ -147,23 +189,37 @@ class SlotPool:
             self.reissues += count
         return got
 
-    async def acquire(self, kind: Kind) -> Lease:
-        """A RESERVED lease, in FIFO order within ``kind``; loads go first."""
-        got = self.try_acquire(kind, 1)
+    async def acquire(self, cls: IOClass, owner: Any = None) -> Lease:
+        """A RESERVED lease, in FIFO order within ``cls``, the classes by urgency (see the module
+        docstring); :meth:`reclass` moves the waiting call of ``owner`` to another class."""
+        got = self.try_acquire(cls, 1)
         if got:
             return got[0]
-        fut = self._svc.create_future()
-        self._waiters[kind].append(fut)
-        self._waiting[kind] += 1
+        waiter = _Waiter(self._svc.create_future(), cls, owner)
+        self._waiters[cls].append(waiter)
+        self._waiting[cls] += 1
         try:
-            lease: Lease = await self._svc.wait(fut)
+            lease: Lease = await self._svc.wait(waiter.fut)
         except self._svc.cancelled:
-            if fut.cancel():
-                self._waiting[kind] -= 1
+            if waiter.fut.cancel():
+                self._waiting[waiter.cls] -= 1
             else:  # already granted, but never used by anybody
-                self.release_unused(fut.result())
+                self.release_unused(waiter.fut.result())
             raise
         return lease
+
+    def reclass(self, owner: Any, cls: IOClass) -> None:
+        """Move the call of ``owner`` waiting in :meth:`acquire` (if it waits) to ``cls``, behind
+        that class's waiters."""
+        for old, queue in enumerate(self._waiters):
+            for i, waiter in enumerate(queue):
+                if waiter.owner is owner and not waiter.fut.done():
+                    del queue[i]
+                    self._waiting[old] -= 1
+                    waiter.cls = cls
+                    self._waiters[cls].append(waiter)
+                    self._waiting[cls] += 1
+                    return
 
     def release_unused(self, lease: Lease) -> None:
         """Return a lease that is still RESERVED: nothing was submitted with it."""
@@ -181,13 +237,14 @@ class SlotPool:
 
     def _hand_on(self, lease: Lease) -> None:
         lease.state = LeaseState.FREE
-        for kind in (Kind.LOAD, Kind.STORE):
-            queue = self._waiters[kind]
+        order = _AGED_ORDER if self._waiting[IOClass.STORE] and self._store_aged() else _ORDER
+        for cls in order:
+            queue = self._waiters[cls]
             while queue:
-                fut = queue.popleft()
+                fut = queue.popleft().fut
                 if not fut.done():
-                    self._waiting[kind] -= 1
-                    fut.set_result(self._grant(lease, kind))
+                    self._waiting[cls] -= 1
+                    fut.set_result(self._grant(lease, cls))
                     return
         self._free.append(lease)
 
@@ -202,3 +259,7 @@ class SlotPool:
     def close(self) -> None:
         """Free the slab. Only once no lease is held (the caller checks)."""
         self.slab.close()
+
+
+_ORDER = (IOClass.DEMAND, IOClass.PREFETCH, IOClass.STORE)
+_AGED_ORDER = (IOClass.STORE, IOClass.DEMAND, IOClass.PREFETCH)

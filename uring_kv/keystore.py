@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol, Self, runtime_checkable
 
+from uring_kv._prefetch import Prefetch
+
 
 @runtime_checkable
 class KeyStore(Protocol):
@@ -27,6 +29,8 @@ class KeyStore(Protocol):
       :class:`uring_kv.KeyIOError` naming those it could not store (``written``: how many it did);
       ``get`` raises :class:`uring_kv.KeyMissingError` before any I/O when a key is not held;
       ``get_present`` loads what is held and returns those keys, in call order.
+    * ``get`` and ``get_present`` take ``prefetch=`` (a :class:`uring_kv.Prefetch`): their loads run
+      as prefetches, behind demand loads, until ``prefetch.upgrade()``.
     * ``pin`` holds each held key against eviction until ``unpin`` (a handle per key, None for a
       key not held).
 
@@ -45,9 +49,11 @@ class KeyStore(Protocol):
 
     async def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> int: ...
 
-    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None: ...
+    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                  prefetch: Prefetch | None = None) -> None: ...
 
-    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]: ...
+    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                          prefetch: Prefetch | None = None) -> list[bytes]: ...
 
     def pin(self, keys: Iterable[bytes]) -> list[Any]: ...
 

@@ -109,16 +109,17 @@ class PrometheusCollector:
                     "inflight_bytes": "bytes of the calls in flight",
                     "rate_bytes_per_second": "bytes per second served over the last second",
                     "budget_bytes": "bytes queued and in flight past which a call is refused (0: no budget)"}
+        classes = [*self.labels, "class"]  # load (demand loads), prefetch, store
         for key, text in pressure.items():
-            gauge = GaugeMetricFamily(f"{self.prefix}_{key}", text, labels=names)
-            for direction in ("load", "store"):
-                gauge.add_metric([*self.labels.values(), direction],
-                                 snap[direction]["rate_bytes_s" if key == "rate_bytes_per_second" else key])
+            gauge = GaugeMetricFamily(f"{self.prefix}_{key}", text, labels=classes)
+            for cls in ("load", "prefetch", "store"):
+                gauge.add_metric([*self.labels.values(), cls],
+                                 snap[cls]["rate_bytes_s" if key == "rate_bytes_per_second" else key])
             yield gauge
         refused = CounterMetricFamily(f"{self.prefix}_refused_calls", "calls refused by the budget (EBUSY)",
-                                      labels=names)
-        for direction in ("load", "store"):
-            refused.add_metric([*self.labels.values(), direction], snap[direction]["refused_calls"])
+                                      labels=classes)
+        for cls in ("load", "prefetch", "store"):
+            refused.add_metric([*self.labels.values(), cls], snap[cls]["refused_calls"])
         yield refused
         for key, text in (("leases_held", "staging slots held"), ("copies_pending", "copy events not yet seen"),
                           ("io_inflight", "reads and writes in flight"),

@@ -53,6 +53,7 @@ from uring_kv._engine import Engine
 from uring_kv._journal import Journal, Row, failure_errno
 from uring_kv._layout import CacheLayout
 from uring_kv._loop import CallsUnderWay, LoopServices, OpenClose, current_services
+from uring_kv._prefetch import Prefetch
 from uring_kv.errors import NO_ROOM, BlockIOError, EngineClosedError, KeyIOError, KeyMissingError
 
 
@@ -317,7 +318,8 @@ class BlockStore(OpenClose):
             raise KeyIOError("put", failures, written)
         return written
 
-    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
+    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                  prefetch: Prefetch | None = None) -> None:
         """Load the bytes of ``keys[i]`` into cache row ``rows[i]``; returns once they are there.
 
         Every key must be visible, or :class:`KeyMissingError` names the missing ones before any
@@ -340,7 +342,7 @@ class BlockStore(OpenClose):
             entry.readers += 1
         self._calls.enter()
         try:
-            await self.engine.load_batch([entry.disk_block for entry in entries], row_list, after)
+            await self.engine.load_batch([entry.disk_block for entry in entries], row_list, after, prefetch=prefetch)
         except BlockIOError as exc:
             failures = {entry.key: exc.failures[entry.disk_block] for entry in entries
                         if entry.disk_block in exc.failures}
@@ -354,7 +356,8 @@ class BlockStore(OpenClose):
                 self._unpin(entry)
             self._calls.leave()
 
-    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
+    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                          prefetch: Prefetch | None = None) -> list[bytes]:
         """Like :meth:`get`, for the keys of ``keys`` held when it runs (checked on the loop, so none
         can be evicted between the check and the load): returns the keys whose bytes are now in
         their rows. A key missing, or whose load failed (dropped from the index, as with
@@ -365,7 +368,7 @@ class BlockStore(OpenClose):
         if not present:
             return []
         try:
-            await self.get([key for key, _ in present], [row for _, row in present], after)
+            await self.get([key for key, _ in present], [row for _, row in present], after, prefetch=prefetch)
         except KeyIOError as exc:
             return [key for key, _ in present if key not in exc.failures]
         return [key for key, _ in present]

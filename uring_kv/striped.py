@@ -40,6 +40,7 @@ from typing import Any
 from uring_kv._args import capacity_in_blocks, check_keys_and_rows
 from uring_kv._layout import CacheLayout
 from uring_kv._loop import CallsUnderWay, LoopServices, current_services
+from uring_kv._prefetch import Prefetch
 from uring_kv.errors import EngineClosedError, KeyIOError, KeyMissingError
 from uring_kv.store import BlockStore
 
@@ -209,7 +210,8 @@ class StripedBlockStore:
                     del self._placing[key]
             self._calls.leave()
 
-    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
+    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                  prefetch: Prefetch | None = None) -> None:
         """:meth:`BlockStore.get`, each key from its stripe, the stripes at once."""
         key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
         svc = self._check_open()
@@ -218,18 +220,20 @@ class StripedBlockStore:
             raise KeyMissingError(missing)
         self._calls.enter()
         try:
-            await self._fan_out(svc, "get", key_list, parts, after)
+            await self._fan_out(svc, "get", key_list, parts, after, prefetch)
         finally:
             self._calls.leave()
 
-    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
+    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                          prefetch: Prefetch | None = None) -> list[bytes]:
         """:meth:`BlockStore.get_present`, over the stripes at once: the keys loaded, in call order."""
         key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
         svc = self._check_open()
         parts, _ = self._split(key_list, row_list)
         self._calls.enter()
         try:
-            loaded = await svc.gather([self.stripes[position].get_present(part_keys, part_rows, after)
+            stripes = self.stripes
+            loaded = await svc.gather([stripes[position].get_present(part_keys, part_rows, after, prefetch=prefetch)
                                        for position, (part_keys, part_rows) in parts.items()])
         finally:
             self._calls.leave()
@@ -277,7 +281,8 @@ class StripedBlockStore:
         return parts
 
     async def _fan_out(self, svc: LoopServices, op: str, keys: list[bytes],
-                       parts: dict[int, tuple[list[bytes], list[int]]], after: Any) -> int:
+                       parts: dict[int, tuple[list[bytes], list[int]]], after: Any,
+                       prefetch: Prefetch | None = None) -> int:
         """Run each stripe's part at once: the keys written (puts), or KeyIOError naming every key
         that failed in any stripe."""
         async def part(position: int, part_keys: list[bytes], part_rows: list[int]) -> tuple[dict[bytes, int], int]:
@@ -294,7 +299,7 @@ class StripedBlockStore:
                 if part_keys and op == "put":
                     written = await stripe.put(part_keys, part_rows, after)
                 elif part_keys:
-                    await stripe.get(part_keys, part_rows, after)
+                    await stripe.get(part_keys, part_rows, after, prefetch=prefetch)
             except KeyIOError as exc:
                 return {**gone, **exc.failures}, exc.written
             return gone, written

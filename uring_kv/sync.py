@@ -32,6 +32,7 @@ from concurrent.futures import CancelledError, Future
 from typing import Any, Generic, Self, TypeVar
 
 from uring_kv._args import as_list
+from uring_kv._prefetch import Prefetch
 from uring_kv.errors import EngineClosedError
 from uring_kv.keystore import KeyStore
 from uring_kv.store import BlockStore
@@ -215,13 +216,17 @@ class SyncStore(Generic[S]):
         """The store's ``put`` on its loop; returns its future (the keys written) at once."""
         return self._submit(self.store.put, keys, rows, after)
 
-    def submit_get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[None]:
-        """The store's ``get`` on its loop; returns its future at once."""
-        return self._submit(self.store.get, keys, rows, after)
+    def submit_get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                   prefetch: Prefetch | None = None) -> Future[None]:
+        """The store's ``get`` on its loop; returns its future at once. ``prefetch``: run it as a
+        prefetch until ``prefetch.upgrade()`` (from any thread)."""
+        return self._submit(functools.partial(self.store.get, prefetch=prefetch), keys, rows, after)
 
-    def submit_get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> Future[list[bytes]]:
-        """The store's ``get_present`` on its loop; returns its future (the keys loaded) at once."""
-        return self._submit(self.store.get_present, keys, rows, after)
+    def submit_get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                           prefetch: Prefetch | None = None) -> Future[list[bytes]]:
+        """The store's ``get_present`` on its loop; returns its future (the keys loaded) at once.
+        ``prefetch``: as for :meth:`submit_get`."""
+        return self._submit(functools.partial(self.store.get_present, prefetch=prefetch), keys, rows, after)
 
     def put(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> int:
         """``submit_put(...).result(timeout)``: waits for the keys to be written (not from the

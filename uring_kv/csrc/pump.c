@@ -2,8 +2,9 @@
  * as it acquires them, staging slots. Each slot carries one block at a time: for a load, read into
  * the slot, then (on the CQE) copy the slot into every cache tensor; for a store, copy the tensors
  * into the slot, then write it. When a slot's block is done the pump starts the next block in the
- * same slot, unless the batch is stopped, finished, or another batch waits for a slot (`waiting`:
- * the pool's waiter counts, loads first); then the slot is handed back to Python, which releases
+ * same slot, unless the batch is stopped, finished, or a batch of its class or a more urgent one
+ * waits for a slot (`waiting`: the pool's waiter counts per class: demand loads, prefetches,
+ * stores); then the slot is handed back to Python, which releases
  * its lease. So a slot is only ever released after the last user of it (the kernel's read/write
  * and the copy) is done, exactly as in the Python path, with no Python per block.
  *
@@ -13,7 +14,8 @@
  * (ukv_ring_collect, which takes them from the copier) moves those slots on: the next block, or
  * back to Python. Under a ring-wide cap on pump I/Os
  * (the engine's io_depth, below its slot count) a slot whose next step is an I/O waits, parked,
- * for room; loads' pumps get room first. The struct is in ukv.h (cffi reads some of its fields). */
+ * for room; by class (`klass`: demand loads, then prefetches, then stores), then in the order they
+ * parked. The struct is in ukv.h (cffi reads and writes some of its fields). */
 #include "ukv.h"
 
 enum { SLOT_FREE = 0, SLOT_IDLE, SLOT_IO, SLOT_COPY }; /* IDLE: held, parked for I/O room */
@@ -42,6 +44,7 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
     p->stride = stride; p->ntensors = ntensors; p->bases = bases; p->block_bytes = block_bytes;
     p->slot_offsets = slot_offsets; p->nblocks = nblocks; p->offsets = offsets; p->cache = cache;
     p->waiting = waiting; p->max_slots = max_slots;
+    p->klass = write ? 2 : 0;
     p->slot_addr = (uint64_t *)(p + 1); /* the 8-byte arrays first, then the 4-byte ones */
     p->park_seq = p->slot_addr + slots;
     p->slot_iov = iovs ? (struct iovec *)(p->park_seq + slots) : NULL;
@@ -211,7 +214,9 @@ static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int qu
 
 static int pump_may_refill(const struct ukv_pump *p) {
     if (p->stop || p->next >= p->nblocks) return 0;
-    if (p->waiting && (p->waiting[0] || (p->write && p->waiting[1]))) return 0; /* let the waiter have it */
+    if (p->waiting) /* let a waiter of its class or a lower one have it */
+        for (int k = 0; k <= p->klass; k++)
+            if (p->waiting[k]) return 0;
     return 1;
 }
 
@@ -349,15 +354,15 @@ static void pump_flush(struct ukv_ring *r, struct ukv_pump *p) {
     p->ncopy = 0;
 }
 
-/* The pump whose first parked slot's turn is next: loads' pumps before stores', then the order in
- * which the slots parked. NULL when no attached pump has one. */
+/* The pump whose first parked slot's turn is next: by class (demand loads' pumps, then prefetches',
+ * then stores'), then the order in which the slots parked. NULL when no attached pump has one. */
 static struct ukv_pump *next_parked(const struct ukv_ring *r) {
     struct ukv_pump *next = NULL;
     for (int id = 0; id < r->pump_hi; id++) {
         struct ukv_pump *p = r->pumps[id];
         if (!p || !p->nparked) continue;
-        if (!next || p->write < next->write ||
-            (p->write == next->write &&
+        if (!next || p->klass < next->klass ||
+            (p->klass == next->klass &&
              p->park_seq[p->parked[p->park_head]] < next->park_seq[next->parked[next->park_head]]))
             next = p;
     }

@@ -122,7 +122,9 @@ struct ukv_pump {
     unsigned nblocks;
     const uint64_t *offsets;   /* file offset of each block */
     const int64_t *cache;      /* cache block of each block */
-    const int32_t *waiting;    /* [0]: loads waiting for a slot, [1]: stores waiting */
+    const int32_t *waiting;    /* waiting for a slot: [0] demand loads, [1] prefetches, [2] stores */
+    int klass;                 /* its class: 0 demand load, 1 prefetch, 2 store (room and slots go to
+                                * the lower first); Python may lower it while the pump runs */
     unsigned max_slots;        /* slots are named by their index in the pool, below this */
     uint64_t expect;           /* bytes each read or write moves: the stride, or the block's pieces */
     struct iovec *slot_iov;    /* scatter loads: each slot's iovecs (ntensors each), else NULL */

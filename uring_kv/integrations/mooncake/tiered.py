@@ -30,6 +30,7 @@ from typing import Any
 from uring_kv._args import check_keys_and_rows
 from uring_kv._layout import CacheLayout
 from uring_kv._loop import OpenClose
+from uring_kv._prefetch import Prefetch
 from uring_kv.errors import KeyIOError, KeyMissingError
 from uring_kv.integrations.mooncake.config import MooncakeConfig, MooncakeError
 from uring_kv.integrations.mooncake.remote import MooncakeTier, StoreJob
@@ -126,14 +127,15 @@ class TieredStore(OpenClose):
         self.local.unpin(handles)
 
     # ----------------------------------------------------------------- transfers (the loop)
-    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> list[bytes]:
+    async def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                          prefetch: Prefetch | None = None) -> list[bytes]:
         """Load what either tier holds of ``keys`` into ``rows``; returns the keys now in their
         rows (call order). The local tier answers first; its misses are fetched from Mooncake,
         checked, copied into their rows and (``promote``) written into the local tier before
         this returns. A key neither tier could give is left out; its row is left as it was.
         ``after``: as for :meth:`BlockStore.get` (host caches: always None)."""
         key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
-        present = set(await self.local.get_present(key_list, row_list))
+        present = set(await self.local.get_present(key_list, row_list, prefetch=prefetch))
         missing = [(key, row) for key, row in zip(key_list, row_list, strict=True) if key not in present]
         if missing:
             fetched = await self.remote.fetch([key for key, _ in missing], [row for _, row in missing])
@@ -143,11 +145,12 @@ class TieredStore(OpenClose):
                     await self._promote(fetched, missing)
         return [key for key in key_list if key in present]
 
-    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None) -> None:
+    async def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, *,
+                  prefetch: Prefetch | None = None) -> None:
         """:meth:`get_present`, then :class:`KeyMissingError` naming the keys neither tier gave
         (the other rows hold their keys' bytes)."""
         key_list, row_list = self._arguments(keys, rows, after, unique_keys=False)
-        loaded = set(await self.get_present(key_list, row_list))
+        loaded = set(await self.get_present(key_list, row_list, prefetch=prefetch))
         if missing := [key for key in key_list if key not in loaded]:
             raise KeyMissingError(missing)
 
