@@ -127,7 +127,7 @@ def test_the_fs_pool_serves_its_own_queue_first(load_priority: bool) -> None:
         for _ in range(3):
             assert finished.acquire(timeout=10)
         assert order == ["busy", "own", "other"]
-        assert sorted(job for job, success, _, _ in pool.get_finished() if success) == [0, 1, 2]
+        assert sorted(job for job, success, _ in pool.get_finished() if success) == [0, 1, 2]
     finally:
         pool.shutdown()
 

@@ -18,12 +18,13 @@ vLLM's, kept as it is:
   directories, a temp file (O_EXCL, the thread's random suffix), one write, close, rename; the GIL
   released for the whole batch.
 
-What the bench adds around it, never inside a job: a finished job is handed to the loop when the
-pool records it, with the time its worker finished it (vLLM's scheduler polls ``get_finished()``
-once a step, which would add up to a step to every latency); and, since vLLM never rewrites a block
-file (a store of a key whose file exists does nothing), a store writes each block under a new key and
-the file of the key it replaces is removed afterwards by one cleaner thread (vLLM leaves eviction
-to whoever manages the directory), so that the store flood writes as many bytes as uring_kv's.
+What the bench adds around it, never inside a job: a finished job is handed to the loop as soon as
+the pool records it (vLLM's scheduler polls ``get_finished()`` once a step, which would add up to a
+step to every latency), and the caller takes its time there, as it does uring_kv's; and, since vLLM
+never rewrites a block file (a store of a key whose file exists does nothing), a store writes each
+block under a new key and the file of the key it replaces is removed afterwards by one cleaner
+thread (vLLM leaves eviction to whoever manages the directory), so that the store flood writes as
+many bytes as uring_kv's.
 """
 
 from __future__ import annotations
@@ -76,14 +77,15 @@ class _JobState:
 class DualQueueThreadPool:
     """thread_pool.py's pool: load-priority threads drain the load queue first, then the store queue;
     store-priority threads the reverse; one condition variable for both queues. ``on_finished`` is
-    called (on the worker) once a finished job is in the finished queue."""
+    called (on the worker) once a finished job is in the finished queue, which the bench reads
+    then instead of once a scheduler step."""
 
     def __init__(self, n_read_threads: int, n_write_threads: int, on_finished: Callable[[], None]) -> None:
         self._load_q: deque[tuple[Task, _JobState]] = deque()
         self._store_q: deque[tuple[Task, _JobState]] = deque()
         self._condition = threading.Condition(threading.Lock())
         self._stop = False
-        self._finished_q: deque[tuple[int, bool, float, float]] = deque()  # vLLM's, and the time it finished
+        self._finished_q: deque[tuple[int, bool, float]] = deque()
         self._inflight_jobs = 0
         self._on_finished = on_finished
         self._threads = [threading.Thread(target=self._worker, args=(load_priority,), daemon=True,
@@ -107,9 +109,8 @@ class DualQueueThreadPool:
                 into.append((task, state))
             self._condition.notify(n_tasks)
 
-    def get_finished(self) -> list[tuple[int, bool, float, float]]:
-        """(job id, success, transfer seconds, perf_counter when it finished) of each job finished
-        since the last call."""
+    def get_finished(self) -> list[tuple[int, bool, float]]:
+        """(job id, success, transfer seconds) of each job finished since the last call."""
         jobs = []
         while self._finished_q:
             jobs.append(self._finished_q.popleft())
@@ -142,7 +143,7 @@ class DualQueueThreadPool:
                 job_finished, success, total_time = state.task_done(False, time.monotonic() - start_time)
             if job_finished:
                 with self._condition:
-                    self._finished_q.append((state.job_id, success, total_time, time.perf_counter()))
+                    self._finished_q.append((state.job_id, success, total_time))
                     self._inflight_jobs -= 1
                     self._condition.notify_all()
                 self._on_finished()
@@ -180,10 +181,10 @@ def _tmp_suffix() -> str:
 
 
 class FsTier:
-    """The fs tier over ``rows`` (a primary region: row r at ``base_addr + r * block_bytes``) in a
-    fresh directory under ``root``, driven from an asyncio loop: ``load``/``store`` submit one job
-    and return the time its worker finished it. Keys are integers (the block hash is their sha256, a
-    64-digit name as vLLM's); the bench's ``FsTierMethod`` turns disk blocks into keys."""
+    """The fs tier over ``rows`` (a primary region: row r at ``base_addr + r * block_bytes``) in a fresh
+    directory under ``root``, driven from an asyncio loop: ``load``/``store`` submit one job and return the
+    ``time.perf_counter()`` at which the loop learnt it had finished. Keys are integers (the block hash is
+    their sha256, a 64-digit name as vLLM's); the bench's ``FsTierMethod`` turns disk blocks into keys."""
 
     def __init__(self, root: str, block_bytes: int, base_addr: int) -> None:
         self.root = root
@@ -195,7 +196,7 @@ class FsTier:
         self.files = f"{base_path}_r0"
         self.o_direct = probe_o_direct(base_path)
         self._loop = asyncio.get_running_loop()
-        self._waiting: dict[int, asyncio.Future[float]] = {}
+        self._waiting: dict[int, asyncio.Future[None]] = {}
         self._next_job = 0
         self._collect_queued = threading.Event()
         self.pool = DualQueueThreadPool(READ_THREADS, WRITE_THREADS, self._wake)
@@ -205,7 +206,7 @@ class FsTier:
         hash_hex = hashlib.sha256(key.to_bytes(8, "little")).hexdigest()
         return f"{self.files}/{hash_hex[:3]}/{hash_hex[3:5]}_g0/{hash_hex}.bin"
 
-    def _submit(self, store: bool, keys: list[int], rows: list[int]) -> asyncio.Future[float]:
+    def _submit(self, store: bool, keys: list[int], rows: list[int]) -> asyncio.Future[None]:
         job_id, self._next_job = self._next_job, self._next_job + 1
         paths = [self.path(key) for key in keys]
         addrs = [self.base_addr + row * self.block_bytes for row in rows]
@@ -221,12 +222,14 @@ class FsTier:
         return done
 
     async def load(self, keys: list[int], rows: list[int]) -> float:
-        """Key i's file into row ``rows[i]``; the time the job finished. OSError if it failed."""
-        return await self._submit(False, keys, rows)
+        """Key i's file into row ``rows[i]``; the time it finished. OSError if it failed."""
+        await self._submit(False, keys, rows)
+        return time.perf_counter()
 
     async def store(self, rows: list[int], keys: list[int]) -> float:
-        """Row ``rows[i]`` into key i's file; the time the job finished. OSError if it failed."""
-        return await self._submit(True, keys, rows)
+        """Row ``rows[i]`` into key i's file; the time it finished. OSError if it failed."""
+        await self._submit(True, keys, rows)
+        return time.perf_counter()
 
     def _wake(self) -> None:
         # on a worker: one loop callback per burst of finished jobs
@@ -236,12 +239,12 @@ class FsTier:
 
     def _collect(self) -> None:
         self._collect_queued.clear()
-        for job_id, success, _transfer, finished in self.pool.get_finished():
+        for job_id, success, _transfer in self.pool.get_finished():
             done = self._waiting.pop(job_id)
             if done.done():
                 continue
             if success:
-                done.set_result(finished)
+                done.set_result(None)
             else:
                 done.set_exception(OSError(f"fs tier job {job_id} failed"))
 

@@ -24,6 +24,9 @@ one rule today is that loads get slots and submission ahead of stores (the row i
 that rule, so that I/O classes can be added as a row of their own); ``vllm-fs``, a port of vLLM's
 file-system tier's dual-queue pool and per-file I/O (``bench/fs_tier.py``).
 
+Latency is taken where the caller learns of a completion (its ``await`` returns, on the loop), for
+every method alike.
+
 Bytes: the file holds the identity pattern (word ``w`` of block ``d``: ``d << 32 | w``); every
 load's rows are checked and scrubbed off the loop after its latency is taken; the store region is
 read back and checked after each flood.
