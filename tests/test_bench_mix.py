@@ -58,13 +58,16 @@ def test_table_and_json_have_every_method_and_class_all_checked(tmp_path: Path,
 
 def test_the_demand_schedule_is_fixed_and_kept(tmp_path: Path) -> None:
     config = _tiny_config(tmp_path)
-    schedule = mix.demand_schedule(config)
+    schedule = mix.demand_schedule(config, "idle")
     assert len(schedule) == round(config.rate * config.duration) == 40
     assert [offset for offset, _ in schedule] == [i / config.rate for i in range(40)]
     for _, blocks in schedule:
         assert len(set(blocks)) == len(blocks) == config.demand_blocks
         assert all(block in config.demand_region for block in blocks)
-    assert mix.demand_schedule(config) == schedule  # fixed before the phase starts
+    assert mix.demand_schedule(config, "idle") == schedule  # fixed before the phase starts
+    flood = mix.demand_schedule(config, "flood")
+    assert [offset for offset, _ in flood] == [offset for offset, _ in schedule]
+    assert [blocks for _, blocks in flood] != [blocks for _, blocks in schedule]  # other blocks, same shape
     assert not set(config.demand_region) & (set(config.prefetch_region) | set(config.store_region))
     result = asyncio.run(mix.run_mix(config))
     for row in result["rows"]:

@@ -14,8 +14,9 @@ The classes, as a serving engine makes them:
   back to back, from a region of the file the demand loads do not touch. uring_kv has no prefetch
   class yet: a prefetch is a load.
 
-Per method, two phases: ``idle`` (the demand schedule alone) and ``flood`` (the floods started,
-``--warmup`` seconds, the same schedule, the floods stopped). Per class and phase: calls, GB/s
+Per method, after ``--warmup`` seconds of demand loads not measured, two phases: ``idle`` (the demand
+schedule alone) and ``flood`` (the floods started, ``--warmup`` seconds, a schedule of the same
+shape, the floods stopped). Per class and phase: calls, GB/s
 (the class's bytes over the phase), p50/p99/max latency (a flood call's from its start); demand
 under flood also p99 ÷ its idle p99.
 
@@ -104,11 +105,13 @@ class MixConfig:
                 + DEMAND_GROUPS * self.demand_blocks)
 
 
-def demand_schedule(config: MixConfig) -> list[tuple[float, list[int]]]:
+def demand_schedule(config: MixConfig, phase: str, duration: float | None = None) -> list[tuple[float, list[int]]]:
     """The demand calls of one phase: (seconds after the phase's start, the disk blocks to load),
-    ``rate × duration`` calls ``1 / rate`` apart, blocks drawn from the demand region."""
-    rng = random.Random(config.seed)
-    calls = round(config.rate * config.duration)
+    ``rate × duration`` calls ``1 / rate`` apart (``duration``: the config's unless given), blocks
+    drawn from the demand region, other blocks in each phase (a block read in one phase may sit in
+    a cache below the file in the next)."""
+    rng = random.Random(f"{config.seed}-{phase}")
+    calls = round(config.rate * (config.duration if duration is None else duration))
     region = config.demand_region
     return [(i / config.rate, [region[n] for n in rng.sample(range(len(region)), config.demand_blocks)])
             for i in range(calls)]
@@ -333,7 +336,9 @@ def _row(method: Method, phase: str, cls: str, tally: _Tally, blocks_per_call: i
 
 async def _phases(method: Method, rows: _Rows, progress: Callable[[str], None]) -> list[MixRow]:
     config = rows.config
-    schedule = demand_schedule(config)
+    # unmeasured: a fresh engine's or pool's first calls (workers started, rows faulted in)
+    await _demand(method, rows, demand_schedule(config, "warm-up", config.warmup))
+    schedule = demand_schedule(config, "idle")
     result = []
     progress(f"{method.name}: demand loads alone, {len(schedule)} calls")
     idle = _row(method, "idle", "demand", await _demand(method, rows, schedule), config.demand_blocks,
@@ -347,8 +352,8 @@ async def _phases(method: Method, rows: _Rows, progress: Callable[[str], None]) 
               for task in range(tasks)]
     try:
         await asyncio.sleep(config.warmup)
-        demand = _row(method, "flood", "demand", await _demand(method, rows, schedule), config.demand_blocks,
-                      config.block_bytes)
+        demand = _row(method, "flood", "demand", await _demand(method, rows, demand_schedule(config, "flood")),
+                      config.demand_blocks, config.block_bytes)
     finally:
         stop.set()
         await asyncio.gather(*floods)
@@ -458,7 +463,8 @@ def add_command(commands: argparse._SubParsersAction[Parser]) -> None:
     parser.add_argument("--duration", type=_positive, default=defaults.duration,
                         help="seconds of demand loads per phase")
     parser.add_argument("--warmup", type=_non_negative, default=defaults.warmup,
-                        help="seconds the floods run before the demand loads start")
+                        help="seconds of demand loads before the measured ones, and of the floods before "
+                             "the demand loads under them")
     parser.add_argument("--store-tasks", type=at_least(0), default=defaults.store_tasks,
                         help="tasks storing back to back")
     parser.add_argument("--store-batch", type=at_least(1), default=defaults.store_batch, help="blocks per store")
