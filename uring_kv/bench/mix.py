@@ -80,6 +80,7 @@ class MixConfig:
     slots: int = 48
     io_depth: int = 32
     methods: tuple[str, ...] = METHODS
+    gc_freeze: bool = True  # the heap collected and frozen while measuring (bench/measure.py's frozen_heap)
     seed: int = 0
 
     @property
@@ -395,6 +396,8 @@ async def _opened(name: str, rows: _Rows) -> AsyncIterator[Method]:
 async def run_mix(config: MixConfig, progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Every method of ``config``, one after the other on the same rows and schedule: the JSON-ready
     result (config, machine, each method's facts, the rows, whether every byte checked)."""
+    from uring_kv.bench.measure import frozen_heap
+
     rows = _Rows(config)
     results: list[MixRow] = []
     facts: dict[str, Any] = {}
@@ -404,7 +407,8 @@ async def run_mix(config: MixConfig, progress: Callable[[str], None] = lambda me
                 progress(f"{name}: writing {config.num_blocks} blocks of {config.block_bytes >> 10} KiB")
                 await _prefill(method, rows)
                 facts[name] = {"rule": method.rule, **method.facts}
-                results += await _phases(method, rows, progress)
+                with frozen_heap(config.gc_freeze):
+                    results += await _phases(method, rows, progress)
     finally:
         rows.close()
     return {"config": asdict(config), "machine": _machine(), "methods": facts,
@@ -475,6 +479,9 @@ def add_command(commands: argparse._SubParsersAction[Parser]) -> None:
     parser.add_argument("--slots", type=at_least(1), default=defaults.slots, help="uring_kv's staging slots")
     parser.add_argument("--io-depth", type=at_least(1), default=defaults.io_depth,
                         help="uring_kv's reads and writes in flight")
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="do not collect and freeze the heap before measuring (a full collection stops "
+                             "the loop for tens of ms in a process that imported torch)")
     parser.add_argument("--methods", type=_methods, default=METHODS, help="comma-separated: uring_kv, vllm-fs")
     parser.add_argument("--json", help="write the result as JSON to this file")
     parser.set_defaults(func=command)
@@ -520,7 +527,7 @@ def command(args: argparse.Namespace) -> int:
                        demand_blocks=args.demand_blocks, rate=args.rate, duration=args.duration, warmup=args.warmup,
                        store_tasks=args.store_tasks, store_batch=args.store_batch,
                        prefetch_tasks=args.prefetch_tasks, prefetch_batch=args.prefetch_batch, slots=args.slots,
-                       io_depth=args.io_depth, methods=args.methods)
+                       io_depth=args.io_depth, methods=args.methods, gc_freeze=args.gc_freeze)
     if (len(config.prefetch_region) < max(config.prefetch_batch, 1)
             or len(config.demand_region) < config.demand_blocks):
         need = (len(config.store_region) + max(config.prefetch_batch, config.demand_blocks) * 2) * config.block_bytes
