@@ -229,9 +229,10 @@ class _Tally:
     last: float = 0.0
     verified: bool = True
 
-    def add(self, started: float, done: float, origin: float | None = None) -> None:
-        self.latencies.append(done - (started if origin is None else origin))
-        self.first = min(self.first, started if origin is None else origin)
+    def add(self, started: float, done: float) -> None:
+        """A call from ``started`` (a demand load's scheduled arrival) to ``done``."""
+        self.latencies.append(done - started)
+        self.first = min(self.first, started)
         self.last = max(self.last, done)
 
 
@@ -241,34 +242,33 @@ async def _demand(method: Method, rows: _Rows, schedule: list[tuple[float, list[
     groups: asyncio.Queue[int] = asyncio.Queue()
     for group in range(DEMAND_GROUPS):
         groups.put_nowait(rows.demand_first + group * rows.config.demand_blocks)
-    checks: list[asyncio.Future[bool]] = []
 
     async def call(arrival: float, disk_blocks: list[int]) -> None:
         tally.lags.append(time.perf_counter() - arrival)
         first = await groups.get()
         try:
-            done = await method.load(disk_blocks, list(range(first, first + len(disk_blocks))))
-            tally.add(arrival, done, origin=arrival)
-            check = asyncio.ensure_future(asyncio.to_thread(
-                _check_and_scrub, rows.words[first:first + len(disk_blocks)], disk_blocks))
-            checks.append(check)
-            await check
+            tally.add(arrival, await method.load(disk_blocks, list(range(first, first + len(disk_blocks)))))
+            tally.verified &= await asyncio.to_thread(_check_and_scrub, rows.words[first:first + len(disk_blocks)],
+                                                      disk_blocks)
         finally:
             groups.put_nowait(first)
 
-    start = time.perf_counter() + 0.01
-    base = loop.time() + (start - time.perf_counter())
+    if not schedule:
+        return tally
     tasks: list[asyncio.Task[None]] = []
+    all_arrived = loop.create_future()
+
     def arrive(arrival: float, disk_blocks: list[int]) -> None:
         tasks.append(asyncio.ensure_future(call(arrival, disk_blocks)))
+        if len(tasks) == len(schedule):
+            all_arrived.set_result(None)
 
+    # the loop's timers run on its clock; the arrivals are kept on perf_counter's, as the completions
+    start, base = time.perf_counter() + 0.01, loop.time() + 0.01
     for offset, disk_blocks in schedule:
         loop.call_at(base + offset, arrive, start + offset, disk_blocks)
-    await asyncio.sleep(max(0.0, base + (schedule[-1][0] if schedule else 0.0) - loop.time()) + 0.005)
-    while len(tasks) < len(schedule):  # the last arrivals' callbacks
-        await asyncio.sleep(0.001)
+    await all_arrived
     await asyncio.gather(*tasks)
-    tally.verified = all(check.result() for check in checks)
     return tally
 
 
