@@ -162,6 +162,10 @@ const char *ukv_liburing_version(void);
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
                       const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
+unsigned ukv_fs_store_blocks(const char *const *tmp_paths, const char *const *dest_paths, const uint64_t *bufs,
+                             unsigned n, uint64_t size, int o_direct, int *err);
+unsigned ukv_fs_load_blocks(const char *const *paths, const uint64_t *bufs, unsigned n, uint64_t size, int o_direct,
+                            int *err);
 
 int ukv_host_copy(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
                   const uint64_t *slot_offsets, int to_slot, unsigned nblocks,
@@ -211,7 +215,7 @@ void ukv_copier_free(struct ukv_copier *c);
 # The C side, one file per concern (see uring_kv/csrc/ukv.h), compiled into this one extension; the
 # module's own source only includes the header that declares what CDEF names.
 C_DIR = "uring_kv/csrc"
-C_SOURCES = [f"{C_DIR}/{name}.c" for name in ("ring", "pump", "copier", "cuda", "ceiling")]
+C_SOURCES = [f"{C_DIR}/{name}.c" for name in ("ring", "pump", "copier", "cuda", "ceiling", "fsfiles")]
 SOURCE = '#include "ukv.h"\n'
 
 

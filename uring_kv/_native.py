@@ -433,6 +433,37 @@ def ring_loop(
     )
 
 
+def fs_store_blocks(tmp_paths: Sequence[str], dest_paths: Sequence[str], addrs: Sequence[int], size: int,
+                    o_direct: bool) -> None:
+    """vLLM's fs tier's batch store (csrc/fsfiles.c), the GIL released for the whole batch: block i,
+    ``size`` bytes at ``addrs[i]``, written to ``tmp_paths[i]`` and renamed to ``dest_paths[i]``
+    unless that exists. OSError naming the first block's file that failed."""
+    _fs_blocks(True, dest_paths, addrs, size, o_direct, tmp_paths)
+
+
+def fs_load_blocks(paths: Sequence[str], addrs: Sequence[int], size: int, o_direct: bool) -> None:
+    """vLLM's fs tier's batch load (csrc/fsfiles.c), the GIL released for the whole batch: file
+    ``paths[i]`` read whole into ``size`` bytes at ``addrs[i]``. OSError naming the first file that
+    failed (a short read removes the file, as vLLM's does)."""
+    _fs_blocks(False, paths, addrs, size, o_direct)
+
+
+def _fs_blocks(store: bool, paths: Sequence[str], addrs: Sequence[int], size: int, o_direct: bool,
+               tmp_paths: Sequence[str] = ()) -> None:
+    names = [ffi.new("char[]", os.fsencode(path)) for path in paths]  # alive until the call returns
+    path_array = ffi.new("const char *[]", names)
+    bufs = ffi.new("uint64_t[]", list(addrs))
+    err = ffi.new("int *")
+    if store:
+        tmp_names = [ffi.new("char[]", os.fsencode(path)) for path in tmp_paths]
+        done = _lib.ukv_fs_store_blocks(ffi.new("const char *[]", tmp_names), path_array, bufs, len(names), size,
+                                        int(o_direct), err)
+    else:
+        done = _lib.ukv_fs_load_blocks(path_array, bufs, len(names), size, int(o_direct), err)
+    if err[0]:
+        raise OSError(err[0], os.strerror(err[0]), paths[done])
+
+
 # Blocks one launch of the staged CUDA path's kernel moves (csrc/ukv.h; _cuda.py's kernel source and
 # the engine's copy calls are sized by it).
 STAGED_MAX = int(_lib.UKV_STAGED_MAX)

@@ -1,7 +1,8 @@
 """Command line: ``uring-kv bench`` (the main job), ``uring-kv info``, ``uring-kv demo`` and ``uring-kv soak``,
-and the registration of the framework benches (``bench-vllm``, ``bench-serve``, ``bench-lmcache``,
-``bench-mooncake``, ``bench-sglang``), each of which defines and checks its arguments in its own
-module (``integrations/<framework>/``); none of those imports its framework until it runs."""
+and the registration of the other benches: ``bench-mix`` (``bench/mix.py``) and the framework benches
+(``bench-vllm``, ``bench-serve``, ``bench-lmcache``, ``bench-mooncake``, ``bench-sglang``,
+``integrations/<framework>/``), each of which defines and checks its arguments in its own module;
+none of those imports its framework until it runs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tempfile
 from typing import Any
 
 from uring_kv import __version__
+from uring_kv.bench import mix as mix_bench
 from uring_kv.bench.args import (
     Defaults,
     Parser,
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--print-json", action="store_true", help="print the JSON to stdout")
     bench.add_argument("--plot", help="write a PNG of GB/s by block size and method")
     bench.set_defaults(func=_bench)
+    mix_bench.add_command(sub)  # its arguments and their checks, beside the bench
     for framework_bench in (vllm_bench, vllm_serve_bench, lmcache_bench, mooncake_bench, sglang_bench):
         framework_bench.add_command(sub)  # each defines its arguments and checks them, beside the bench
     info_parser = sub.add_parser("info", help="what uring_kv would use on this machine")

@@ -14,6 +14,7 @@
  *   cuda.c     the CUDA driver, resolved at run time: block copies (batched, per piece, staged),
  *              contexts and events
  *   ceiling.c  the bench's disk ceiling: block I/Os in a C loop, no Python
+ *   fsfiles.c  the bench's port of vLLM's fs tier block I/O: a file per block, a batch per call
  *
  * Every function batches a loop that would otherwise cost one Python->C call per item: submit N
  * SQEs, reap N CQEs, enqueue N copies. Errors are returned as -errno (or a CUresult for the CUDA
@@ -273,5 +274,13 @@ void ukv_cuda_stream_drain(uint64_t stream);
 
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
                       const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
+
+/* ---- fsfiles.c --------------------------------------------------------------------------------- */
+
+/* Each returns the blocks done before the first failure (n: all), its errno in *err (0: none). */
+unsigned ukv_fs_store_blocks(const char *const *tmp_paths, const char *const *dest_paths, const uint64_t *bufs,
+                             unsigned n, uint64_t size, int o_direct, int *err);
+unsigned ukv_fs_load_blocks(const char *const *paths, const uint64_t *bufs, unsigned n, uint64_t size, int o_direct,
+                            int *err);
 
 #endif
