@@ -91,7 +91,8 @@ def test_a_load_that_brings_the_wrong_bytes_is_caught(tmp_path: Path, monkeypatc
 @pytest.mark.parametrize(("args", "says"), [
     (["--rate", "0"], "--rate: must be > 0, got '0'"),
     (["--duration", "soon"], "--duration: expected a number, got 'soon'"),
-    (["--methods", "uring_kv,lmcache"], "--methods: expected a comma-separated list of uring_kv, uring_kv-1class, vllm-fs"),
+    (["--methods", "uring_kv,lmcache"],
+     "--methods: expected a comma-separated list of uring_kv, uring_kv-1class, vllm-fs"),
     (["--block-size", "5000"], "--block-size 5000: blocks are whole pages (a multiple of 4096 bytes)"),
     (["--size", "256K"], "--size 262144: too small for the store region, a prefetch and a demand load"),
     (["--path", "{missing}"], "--path: {missing} does not exist"),
