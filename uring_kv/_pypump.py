@@ -201,7 +201,8 @@ class PyPump:
                 self._ready.append((index, addr, position))
             else:
                 ops.append(Op(False, file.fd, addr, file.stride, file.offset(disk[position]),
-                              bind(self._on_read, index, addr, position), index))
+                              bind(self._on_read, index, addr, position), index,
+                              later=self._cls is IOClass.PREFETCH))
         if ops:
             self._io.submit(ops)
         if self._ready:

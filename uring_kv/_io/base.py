@@ -31,6 +31,7 @@ class Op:
     on_done: Callable[[int], None]
     buf_index: int = -1  # index of a registered (fixed) buffer holding addr, or -1
     keep: object = field(default=None)  # kept alive until on_done has run
+    later: bool = False  # a prefetch's read: submitted after the demand loads' reads, before writes
 
 
 def check_result(res: int, expected: int, what: str) -> None:

@@ -119,9 +119,9 @@ class UringBackend(OpsInFlight):
         self._svc.add_reader(self._efd, self._on_wakeup)
         self._pending: dict[int, Op] = {}
         self._next_user_data = 1
-        # Ops waiting for room in flight (the CQ's size, or the depth): reads, then writes; reads go
-        # first, as loads get slots first.
-        self._backlog: tuple[deque[Op], deque[Op]] = (deque(), deque())
+        # Ops waiting for room in flight (the CQ's size, or the depth), by class as slots are: [0]
+        # demand loads' reads, [2] prefetches' reads (Op.later), [1] writes, submitted in that order.
+        self._backlog: tuple[deque[Op], deque[Op], deque[Op]] = (deque(), deque(), deque())
         # Never more in flight than the CQ can hold, nor than ``depth``: ops beyond wait in the backlog.
         self._capacity = min(ring.cq_entries, depth) if depth else ring.cq_entries
         self._fixed_fd: dict[int, int] = {}
@@ -161,7 +161,7 @@ class UringBackend(OpsInFlight):
         self.inflight -= count
         self._pump_slots -= count
         self._wake_drain()
-        if self._backlog[0] or self._backlog[1]:
+        if any(self._backlog):
             self._flush()
 
     def register_buffers(self, regions: Sequence[tuple[int, int]]) -> bool:
@@ -192,19 +192,19 @@ class UringBackend(OpsInFlight):
         self.inflight += len(ops)
         backlog = self._backlog
         for op in ops:
-            backlog[op.write].append(op)
+            backlog[2 if op.later else op.write].append(op)
         self._flush()
 
     def _flush(self) -> None:
         room = self._capacity - len(self._pending) - self._pump_slots
-        reads, writes = self._backlog
-        if room <= 0 or not (reads or writes):
+        reads, writes, later = self._backlog
+        if room <= 0 or not (reads or writes or later):
             return
         sqes = []
         pending, fixed_fd = self._pending, self._fixed_fd
         use_fixed = self.fixed_buffers
-        while (reads or writes) and room > 0:
-            op = reads.popleft() if reads else writes.popleft()
+        while (reads or writes or later) and room > 0:
+            op = reads.popleft() if reads else later.popleft() if later else writes.popleft()
             room -= 1
             user_data = self._next_user_data
             self._next_user_data += 1

@@ -1,0 +1,75 @@
+"""The I/O classes at the ring's backlog (ops beyond the depth, from Python pumps): a demand load's
+read goes ahead of the prefetches' reads queued before it."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from aio import task_group
+from conftest import EngineFactory
+from faultfs import FaultState
+
+from uring_kv import Prefetch
+from uring_kv._io import UringBackend
+from uring_kv.testing import id_caches, identify, store_identity
+
+
+@pytest.fixture
+def io_mode() -> str:
+    return "uring"  # the ring's backlog is what is checked
+
+
+async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_reads(
+        fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Depth 1, slow reads of the prefetched blocks: the prefetch's reads queue behind the one in
+    flight; a demand load called meanwhile has its read submitted before them. Mutation tried: the
+    prefetches' reads in the demand loads' queue (the demand read waited for every prefetch read
+    queued before it)."""
+    mountpoint, state = fault_fs
+    monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")  # per-block batches: their ops go through the backlog
+    seq: dict[int, int] = {}
+    kept: list[Any] = []  # numbered ops stay alive, so their ids are not reused
+    jumped: list[bool] = []
+    submit, flush = UringBackend.submit, UringBackend._flush
+
+    def numbered_submit(self: UringBackend, ops: list[Any]) -> None:
+        for op in ops:
+            seq[id(op)] = len(kept)
+            kept.append(op)
+        submit(self, ops)
+
+    def watching_flush(self: UringBackend) -> None:
+        before = set(self._pending)
+        flush(self)
+        for user_data in self._pending.keys() - before:
+            op = self._pending[user_data]
+            if not op.write and not op.later:  # a demand read went in: prefetch reads queued before it?
+                jumped.append(any(seq[id(p)] < seq[id(op)] for queue in self._backlog for p in queue if p.later))
+
+    monkeypatch.setattr(UringBackend, "submit", numbered_submit)
+    monkeypatch.setattr(UringBackend, "_flush", watching_flush)
+    caches = id_caches("cpu", blocks=24)
+    async with make_engine(caches, 16, num_slots=4, io_depth=1, path=mountpoint / "kv.bin") as engine:
+        await store_identity(engine, caches, 16)
+        state.slow_down(0, 8 * engine.file.stride, 0.01, writes=False)
+        async with task_group() as tasks:
+            prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
+            prefetch = tasks.spawn(prefetching, list(range(8)), list(range(16, 24)))
+            def queued() -> bool:  # prefetch reads waiting in the backlog, whichever queue they are in
+                return any(op.later for queue in engine.io._backlog for op in queue)  # type: ignore[attr-defined]
+
+            for _ in range(1000):  # until its reads queue up behind the one in flight
+                if queued():
+                    break
+                await anyio.sleep(0.001)
+            assert queued(), "the prefetch's reads never queued"
+            await engine.load_batch([12], [12])  # not behind the slowed reads
+            await prefetch.join()
+        state.clear()
+        assert [identify(caches, 16 + b) for b in range(8)] == [(b, 1, True) for b in range(8)]
+        assert identify(caches, 12) == (12, 1, True)
+    assert any(jumped), "no demand read was ever submitted ahead of a prefetch read queued before it"
