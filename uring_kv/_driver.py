@@ -185,23 +185,22 @@ class Driver:
         return run
 
     def _pump(self, kind: Kind, args: Args, batch: Batch, native: bool, on_progress: Callable[[], None]) -> Pump:
-        """A native pump for the batch where one may carry it and one is free, else a Python one."""
+        """A native pump for the batch where one may carry it and one is free, else a Python one;
+        either of the call's class."""
         n = len(args.disk)
+        pump: Pump | None = None
         if native and self._native is not None and n:
             try:
                 pump = self._native.pump(kind is Kind.STORE, self._file.offsets(args.disk_c, n), args.gpu_c, n,
                                          on_progress)
+                self.pumped += 1
             except PumpsBusy:
                 pass
-            else:
-                self.pumped += 1
-                if batch.ticket is not None:
-                    pump.set_class(batch.ticket.cls)
-                return pump
-        python = self._python.pump(kind, batch, args.disk, args.gpu, on_progress, self._trace.fn)
+        if pump is None:
+            pump = self._python.pump(kind, batch, args.disk, args.gpu, on_progress, self._trace.fn)
         if batch.ticket is not None:
-            python.set_class(batch.ticket.cls)
-        return python
+            pump.set_class(batch.ticket.cls)
+        return pump
 
     # ---- driving
     async def run(self, run: Run, wait: bool) -> TransferHandle:
