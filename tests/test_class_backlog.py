@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from aio import task_group
+from backlog import overtakes
 from conftest import EngineFactory
 from faultfs import FaultState
 
 from uring_kv import Prefetch
-from uring_kv._io import UringBackend
 from uring_kv.testing import id_caches, identify, store_identity
 
 
@@ -31,27 +30,8 @@ async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_rea
     queued before it)."""
     mountpoint, state = fault_fs
     monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")  # per-block batches: their ops go through the backlog
-    seq: dict[int, int] = {}
-    kept: list[Any] = []  # numbered ops stay alive, so their ids are not reused
-    jumped: list[bool] = []
-    submit, flush = UringBackend.submit, UringBackend._flush
-
-    def numbered_submit(self: UringBackend, ops: list[Any]) -> None:
-        for op in ops:
-            seq[id(op)] = len(kept)
-            kept.append(op)
-        submit(self, ops)
-
-    def watching_flush(self: UringBackend) -> None:
-        before = set(self._pending)
-        flush(self)
-        for user_data in self._pending.keys() - before:
-            op = self._pending[user_data]
-            if not op.write and not op.later:  # a demand read went in: prefetch reads queued before it?
-                jumped.append(any(seq[id(p)] < seq[id(op)] for queue in self._backlog for p in queue if p.later))
-
-    monkeypatch.setattr(UringBackend, "submit", numbered_submit)
-    monkeypatch.setattr(UringBackend, "_flush", watching_flush)
+    # a demand read went in: were prefetch reads queued before it still waiting?
+    jumped = overtakes(monkeypatch, goes_first=lambda op: not op.write and not op.later, waits=lambda op: op.later)
     caches = id_caches("cpu", blocks=24)
     async with make_engine(caches, 16, num_slots=4, io_depth=1, path=mountpoint / "kv.bin") as engine:
         await store_identity(engine, caches, 16)

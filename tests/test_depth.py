@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from aio import task_group
+from backlog import overtakes
 from conftest import BOTH_BACKENDS, EngineFactory
 from faultfs import FaultState
 
@@ -95,27 +95,8 @@ async def test_under_a_depth_cap_reads_go_ahead_of_queued_writes(fault_fs: tuple
     # The backlog orders per-block batches' ops (pumps under a cap park their slots in C instead,
     # loads' pumps first): batch by block here.
     monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")
-    seq: dict[int, int] = {}
-    kept: list[Any] = []  # numbered ops stay alive, so their ids are not reused
-    jumped: list[bool] = []
-    submit, flush = UringBackend.submit, UringBackend._flush
-
-    def numbered_submit(self: UringBackend, ops: list[Any]) -> None:
-        for op in ops:
-            seq[id(op)] = len(kept)
-            kept.append(op)
-        submit(self, ops)
-
-    def watching_flush(self: UringBackend) -> None:
-        before = set(self._pending)
-        flush(self)
-        for user_data in self._pending.keys() - before:
-            op = self._pending[user_data]
-            if not op.write:  # a read went in: were writes queued before it still waiting?
-                jumped.append(any(seq[id(w)] < seq[id(op)] for w in self._backlog[1]))
-
-    monkeypatch.setattr(UringBackend, "submit", numbered_submit)
-    monkeypatch.setattr(UringBackend, "_flush", watching_flush)
+    # a read went in: were writes queued before it still waiting?
+    jumped = overtakes(monkeypatch, goes_first=lambda op: not op.write, waits=lambda op: op.write)
     caches = id_caches("cpu", blocks=24)
     async with make_engine(caches, 16, num_slots=4, io_depth=1, path=mountpoint / "kv.bin") as engine:
         await store_identity(engine, caches, 16)
