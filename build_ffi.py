@@ -157,6 +157,17 @@ uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
 uint64_t ukv_ring_pump_done(const struct ukv_ring *r);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more);
+void ukv_pump_state(struct ukv_ring *r, struct ukv_pump *p, uint32_t *out);
+unsigned ukv_pump_take_released(struct ukv_ring *r, struct ukv_pump *p, uint32_t *out);
+void ukv_pump_stop(struct ukv_ring *r, struct ukv_pump *p);
+void ukv_pump_set_class(struct ukv_ring *r, struct ukv_pump *p, int klass);
+int ukv_ring_thread_start(struct ukv_ring *r, int notify_fd);
+void ukv_ring_thread_stop(struct ukv_ring *r);
+unsigned ukv_ring_take(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
+                       unsigned *ntouched, int *submit_error);
+uint64_t ukv_ring_thread_wakeups(struct ukv_ring *r, uint64_t *notifies);
+unsigned ukv_ring_take_job_fails(struct ukv_ring *r, int32_t *rcs, int32_t *wheres);
+#define UKV_JOB_FAILS ...
 
 const char *ukv_liburing_version(void);
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
@@ -210,12 +221,14 @@ unsigned ukv_copier_owned_jobs(struct ukv_copier *c);
 unsigned ukv_ring_collect(struct ukv_ring *r, struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs,
                           int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched, int *submit_error);
 void ukv_copier_free(struct ukv_copier *c);
+int ukv_ring_watch_copier(struct ukv_ring *r, struct ukv_copier *c);
+void ukv_ring_unwatch_copier(struct ukv_ring *r);
 """
 
 # The C side, one file per concern (see uring_kv/csrc/ukv.h), compiled into this one extension; the
 # module's own source only includes the header that declares what CDEF names.
 C_DIR = "uring_kv/csrc"
-C_SOURCES = [f"{C_DIR}/{name}.c" for name in ("ring", "pump", "copier", "cuda", "ceiling", "fsfiles")]
+C_SOURCES = [f"{C_DIR}/{name}.c" for name in ("ring", "pump", "ringthread", "copier", "cuda", "ceiling", "fsfiles")]
 SOURCE = '#include "ukv.h"\n'
 
 

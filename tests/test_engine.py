@@ -507,6 +507,7 @@ async def test_small_cpu_copies_run_inline_and_large_ones_on_the_thread(
     copier thread (through the bridge); both give the same bytes, and a copy_delay always uses the
     thread (the race tests depend on it)."""
     monkeypatch.setenv("URING_KV_HOST_INLINE_BYTES", inline_bytes)
+    monkeypatch.setenv("URING_KV_RING_THREAD", "off")  # (with it, pumps' jobs never reach the loop's bridge)
     caches = id_caches("cpu", blocks=64)
     async with make_engine(caches, 64, num_slots=4) as engine:
         per_block = engine.copier._blocks.bytes_per_block

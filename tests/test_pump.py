@@ -190,6 +190,7 @@ async def test_a_reap_pass_ends_when_its_budget_is_spent(make_engine: EngineFact
     exact. Mutation tried: the check only between passes (33 reaps: a pass handled all 8 slots)."""
     if copies != "memcpy":
         pytest.skip("copier pumps copy on the copier's thread; their refills wait for its jobs")
+    monkeypatch.setenv("URING_KV_RING_THREAD", "off")  # the loop's own reap is what this measures
     monkeypatch.setenv("URING_KV_REAP_BUDGET_US", "1")
     monkeypatch.setenv("URING_KV_DEBUG_PUMP_SCATTER", "0")  # each block read into its slot, then copied
     caches = {"k": torch.zeros(256, 8 << 10, dtype=torch.int32)}  # 32 KiB blocks: the largest pumped inline
@@ -265,6 +266,7 @@ async def test_a_hot_pumped_batch_lets_the_loop_run_between_reap_passes(make_eng
     many turns while 512 blocks go through 4 slots, and the batch must still finish with exact
     bytes. Mutation tried: the C reap ignoring its budget (the whole batch went in one reap, the
     task got 2 turns)."""
+    monkeypatch.setenv("URING_KV_RING_THREAD", "off")  # the loop's own reap is what this measures
     monkeypatch.setenv("URING_KV_REAP_BUDGET_US", "0")
     caches = id_caches("cpu", blocks=512)
     async with make_engine(caches, 512, num_slots=4, direct=False) as engine:

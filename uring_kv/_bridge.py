@@ -212,8 +212,8 @@ class NativeLink:
         for token, rc, where, done_ns in taken:
             self._bridge.delivery_ns.append(now - done_ns)
             if not token & PUMP_TAG:
-                self._deliver(token, _job_error(rc, where))
-            elif (error := _job_error(rc, where)) is not None:  # a pump's job, handled in C: its
+                self._deliver(token, job_error(rc, where))
+            elif (error := job_error(rc, where)) is not None:  # a pump's job, handled in C: its
                 self._svc.report("uring_kv copy failed", error)  # blocks failed with EIO, say why
 
     def close(self) -> None:
@@ -222,7 +222,8 @@ class NativeLink:
         self.jobs.close()
 
 
-def _job_error(rc: int, where: int) -> BaseException | None:
+def job_error(rc: int, where: int) -> BaseException | None:
+    """The error a native copy job's result stands for (None: it succeeded)."""
     if not rc:
         return None
     return CudaError(rc, "waiting for block copies" if where == FAIL_WAIT else "enqueueing block copies")

@@ -233,6 +233,12 @@ class Driver:
                 if pump.slots == 0:
                     waited = time.monotonic()
                     lease = await pool.acquire(run.cls, run.batch.ticket)
+                    if run.finished:
+                        # The ring thread ran the pump's last blocks while this waited (it read the
+                        # pump holding no slot a moment before): a slot given now would never be
+                        # taken back.
+                        pool.release_unused(lease)
+                        break
                     self.batches.slot_waited(kind, time.monotonic() - waited)
                     run.waits += 1
                     lease.hand_to_pump()

@@ -188,7 +188,7 @@ class Engine(OpenClose):
         """The plan, and the parts built from it. io_uring is asked for first (the plan depends on
         whether it runs here), then the slots and, in GPU mode, the staged path's device side."""
         tuning, file = self.tuning, self.file
-        ring, io_reason = ring_for(self._io_mode or tuning.io, svc)
+        ring, io_reason = ring_for(self._io_mode or tuning.io, svc, thread=tuning.wants_ring_thread())
         io: IOBackend | None = None
         try:
             self.pool = pool = SlotPool(self.num_slots, file.stride, svc, tuning.huge_pages)
@@ -202,7 +202,7 @@ class Engine(OpenClose):
                 staged_path(self.device, blocks, pool.slab.addr, file.stride, self.num_slots, self.block_bytes)
                 if self.gpu and tuning.cuda_staged else (None, ""))
             self.plan = plan = make_plan(tuning, self._geometry(file), ring is not None, io_reason,
-                                         staging is not None, staged_error)
+                                         staging is not None, staged_error, ring is not None and ring.thread)
             io, uring = backend_for(plan, svc, ring, tuning, self._trace)
         except BaseException:
             if ring is not None and io is None:  # (not yet the backend's)
@@ -221,6 +221,10 @@ class Engine(OpenClose):
             self.copier = HostCopier(blocks, self.bridge, inline_blocks=plan.inline_copy_blocks,
                                      native=plan.native_copier, delay=self._copy_delay, collect=collect)
         native = self._native_pumps(plan, uring, blocks) if uring is not None and plan.pumps else None
+        if native is not None and uring is not None and uring.ring_thread and plan.pump_copies == "jobs":
+            link = self.copier.link
+            assert link is not None
+            uring.watch_copier(link.jobs)  # the ring thread collects the pumps' copy jobs
         self._driver = Driver(svc, plan, Parts(file, pool, self.io, self.copier, native), self._contents,
                               self._hazards, self._metrics, self._pressure, self._trace)
 
@@ -564,7 +568,8 @@ class Engine(OpenClose):
 
     def delivery_times(self, clear: bool = False) -> list[int]:
         """Diagnostics (may change): ns from each finished copy (CUDA event or copier job) to the
-        loop taking it, the last 100,000; ``clear`` empties the record after reading it."""
+        loop taking it, the last 100,000 (not the native pumps' jobs the ring thread takes);
+        ``clear`` empties the record after reading it."""
         times = list(self.bridge.delivery_ns)
         if clear:
             self.bridge.delivery_ns.clear()

@@ -78,10 +78,15 @@ class NativeRing:
     CQEs) and :meth:`collect` (the native copier's finished pump jobs) each move the pumps in one
     C call, then run the progress handler of each pump that moved (``report``: where a handler
     that raised, or a failed submission of the pumps' next I/Os, is reported; the other handlers
-    still run). Every method must be called on the thread that created it."""
+    still run). Every method must be called on the thread that created it.
+
+    ``thread``: the ring is for the ring thread (csrc/ringthread.c), started with
+    :meth:`start_thread`: from then on that C thread reaps the CQ and moves the pumps (and, given
+    :meth:`watch_copier`, collects the copier's pump jobs), and :meth:`reap` takes what it left
+    for the loop: the completions of other ops and the pumps that moved."""
 
     def __init__(self, entries: int, cq_entries: int, flags: SetupFlag,
-                 report: Callable[[str, BaseException], None]) -> None:
+                 report: Callable[[str, BaseException], None], thread: bool = False) -> None:
         out = ffi.new("struct ukv_ring **")
         _check(_lib.ukv_ring_open(entries, cq_entries, int(flags), out), "io_uring_setup")
         self._ring = out[0]
@@ -102,6 +107,8 @@ class NativeRing:
         self.pumps: dict[int, NativePump] = {}  # attached pumps by id
         self._report = report
         self.more = False  # the last reap ran out of its budget with completions left
+        self.thread = thread  # made for the ring thread
+        self.threaded = False  # the ring thread runs
 
     def close(self) -> None:
         if self._ring != ffi.NULL:
@@ -112,6 +119,37 @@ class NativeRing:
     def handle(self) -> Any:
         """The C ring (``struct ukv_ring *``), for the pumps attached to it."""
         return self._ring
+
+    def start_thread(self, notify_fd: int) -> None:
+        """Start the ring thread (a ring made with ``thread``); ``notify_fd`` (an eventfd) is
+        written when :meth:`reap` has something to take. Once the ring's buffers and files are
+        registered: its polls are in flight from now on."""
+        _check(_lib.ukv_ring_thread_start(self._ring, notify_fd), "starting the ring thread")
+        self.threaded = True
+
+    def watch_copier(self, jobs: CopyJobs) -> None:
+        """The ring thread collects the pumps' jobs of ``jobs`` (the loop's collection then sees
+        only the others), until ``jobs`` closes."""
+        _check(_lib.ukv_ring_watch_copier(self._ring, jobs.handle), "routing the copier's pump jobs")
+        jobs.before_close.append(self.unwatch_copier)
+
+    def unwatch_copier(self) -> None:
+        if self._ring != ffi.NULL:
+            _lib.ukv_ring_unwatch_copier(self._ring)
+
+    def job_fails(self) -> list[tuple[int, int]]:
+        """(CUresult, where it failed) of each pump copy job the ring thread found failed since
+        the last call (their blocks failed with EIO; the loop reports why)."""
+        rcs = ffi.new("int32_t[]", int(_lib.UKV_JOB_FAILS))
+        wheres = ffi.new("int32_t[]", int(_lib.UKV_JOB_FAILS))
+        n = _lib.ukv_ring_take_job_fails(self._ring, rcs, wheres)
+        return list(zip(ffi.unpack(rcs, n), ffi.unpack(wheres, n), strict=True))
+
+    def thread_wakeups(self) -> tuple[int, int]:
+        """(the ring thread's wake-ups, how many of them woke the loop)."""
+        notifies = ffi.new("uint64_t *")
+        wakeups = _lib.ukv_ring_thread_wakeups(self._ring, notifies)
+        return int(wakeups), int(notifies[0])
 
     def attach(self, pump: NativePump, raw: Any) -> int:
         """Attach ``pump`` (whose C pump is ``raw``) under a free id; PumpsBusy when none is left."""
@@ -215,6 +253,17 @@ class NativeRing:
         done: list[tuple[int, int]] = []
         moved: list[NativePump] = []
         self.more = False
+        if self.threaded:  # what the ring thread left: its pumps have moved already
+            while True:
+                got = _lib.ukv_ring_take(self._ring, self._reap_ud, self._reap_res, self._reap_cap, self._touched,
+                                         self._ntouched, self._submit_error)
+                self._moved(moved)
+                if got:
+                    done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
+                if got < self._reap_cap:
+                    if moved:
+                        self._progress(moved)
+                    return done
         while True:
             got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
                                        self._touched, self._ntouched, self._submit_error, self._reap_budget_ns,
@@ -265,7 +314,7 @@ class NativePump:
     each reap or collection in which the pump moved (see :class:`NativeRing`). Call on the ring's
     thread only; :meth:`detach` once :attr:`finished`."""
 
-    __slots__ = ("_keep", "_p", "_ring", "id", "nblocks", "on_progress")
+    __slots__ = ("_keep", "_out", "_p", "_r", "_ring", "id", "nblocks", "on_progress")
 
     def __init__(self, ring: NativeRing, write: bool, fd: int, sqe_flags: int, fixed_buffers: bool,
                  stride: int, blocks: BlockCopier, offsets: Any, cache_blocks: Any, nblocks: int,
@@ -286,41 +335,48 @@ class NativePump:
             raise MemoryError("no memory for a pump")
         p = ffi.gc(raw, _lib.ukv_pump_free)
         self._p, self._ring, self.nblocks, self.on_progress = p, ring, nblocks, on_progress
+        self._r = ring.handle
+        self._out = ffi.new("uint32_t[]", max(5, max_slots))  # state, or slots handed back
         self._keep = (offsets, cache_blocks, blocks, waiting, copies)
         self.id = ring.attach(self, p)  # (-1 once detached)
 
+    # Its state is read under the ring's lock (the ring thread may be moving it): one C call each.
+    def _state(self) -> Any:
+        _lib.ukv_pump_state(self._r, self._p, self._out)
+        return self._out
+
     @property
     def started(self) -> int:
-        return int(self._p.next)
+        return int(self._state()[0])
 
     @property
     def slots(self) -> int:
         """Slots the pump holds now (each carries a block, or waits for I/O room to start one)."""
-        return int(self._p.inflight)
+        return int(self._state()[1])
 
     @property
     def unstarted_slots(self) -> int:
         """Slots it holds that wait for I/O room to start their next block (under a depth cap)."""
-        return int(self._p.parked_empty)
+        return int(self._state()[2])
 
     @property
     def finished(self) -> bool:
-        """Nothing in flight and nothing more will start."""
-        p = self._p
-        return not p.inflight and (p.stop or p.next >= self.nblocks)
+        """Nothing in flight, nothing more will start, and every slot it handed back was taken."""
+        state = self._state()
+        return not state[1] and not state[4] and bool(state[3] or state[0] >= self.nblocks)
 
     @property
     def stopped(self) -> bool:
-        return bool(self._p.stop)
+        return bool(self._state()[3])
 
     def stop(self) -> None:
         """Start no further block (those in flight finish)."""
-        self._p.stop = 1
+        _lib.ukv_pump_stop(self._r, self._p)
 
     def set_class(self, cls: int) -> None:
         """Its class from now on (0 demand load, 1 prefetch, 2 store): which waiters it hands its
         slots to, and its turn for I/O room (see ``klass`` in csrc/ukv.h)."""
-        self._p.klass = int(cls)
+        _lib.ukv_pump_set_class(self._r, self._p, int(cls))
 
     def add_slots(self, slots: Sequence[int], addrs: Sequence[int], buf_indices: Sequence[int]) -> None:
         """Hand the pump more slots, named by their pool index (below ``max_slots``); it starts a
@@ -342,10 +398,8 @@ class NativePump:
 
     def take_released(self) -> list[int]:
         """Pool indices of the slots handed back since the last call."""
-        p = self._p
-        got = ffi.unpack(p.released, p.nreleased) if p.nreleased else []
-        p.nreleased = 0
-        return got
+        n = _lib.ukv_pump_take_released(self._r, self._p, self._out)
+        return ffi.unpack(self._out, n) if n else []
 
     def failures(self) -> list[tuple[int, int]]:
         """(block position, errno) of every block that failed."""
@@ -521,6 +575,7 @@ class CopyJobs:
         self._c: Any = out[0]
         self.fd = int(_lib.ukv_copier_fd(self._c))
         self._out = _JobsOut()
+        self.before_close: list[Callable[[], None]] = []  # run before it is freed (a ring thread lets go)
 
     def put(self, token: int, to_slot: bool, slot_addrs: Sequence[int], gpu_blocks: Sequence[int],
             dev_slots: Sequence[int] | None = None, event: int = 0) -> None:
@@ -567,6 +622,9 @@ class CopyJobs:
     def close(self) -> None:
         """Run what is queued, wait for every recorded event, stop the threads, free (blocking)."""
         if self._c is not None:
+            for let_go in self.before_close:
+                let_go()
+            self.before_close.clear()
             _lib.ukv_copier_free(self._c)
             self._c = None
 

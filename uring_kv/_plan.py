@@ -60,6 +60,7 @@ class Plan:
     pumps: bool  # batches run in native pumps (C, no Python per block) where they can; else the Python pump
     pump_copies: str  # the pumps' copies: 'reap' (memcpys in the reap), 'jobs' (native copier jobs); '' without pumps
     pump_inline: bool  # pumps' SQEs go without IOSQE_ASYNC (small blocks; page-cache hits copied in the submission)
+    ring_thread: bool  # a C thread reaps the ring and moves the pumps; the loop hears of batch ends only
     into_rows: bool  # pumped loads read straight into the cache rows (a readv each), not through the slot
     checksums: bool  # a crc32c of every block written, verified on load (summed off the loop, in the Python pump)
     start_hop: bool  # a batch gives the loop three turns between its set-up and its first I/O
@@ -69,7 +70,7 @@ class Plan:
 
 
 def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, staged: bool,
-              staged_error: str = "") -> Plan:
+              staged_error: str = "", ring_thread: bool = False) -> Plan:
     """The plan for ``geometry`` under ``tuning``, where io_uring runs (``uring``; else the thread
     pool, for ``io_reason``) and the staged CUDA path was built (``staged``; else ``staged_error``
     says why, when it was asked for)."""
@@ -115,6 +116,7 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
         pumps=pumps,
         pump_copies=("reap" if reap_copies else "jobs") if pumps else "",
         pump_inline=pumps and tuning.pump_inline(g.num_slots, g.stride),
+        ring_thread=uring and ring_thread,
         into_rows=into_rows,
         checksums=g.checksum,
         start_hop=tuning.start_hop,

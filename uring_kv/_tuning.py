@@ -25,6 +25,9 @@ PUMP_INLINE_BYTES = 32 << 10
 # at most once) or a pump's start then copies at most this much on the loop (32 × 128 KiB took
 # 1.3 ms on the CPU machine).
 INLINE_PASS_BYTES = 1 << 20
+# The ring thread runs by default ('auto') where the process may use at least this many CPUs.
+RING_THREAD_CPUS = 8
+RING_THREAD_MODES = ("auto", "on", "off")
 
 
 def _count(env: Mapping[str, str], name: str, default: int, what: str = "a count") -> int:
@@ -58,6 +61,7 @@ class Tuning:
     host_inline_bytes: int = 1 << 20  # CPU mode: copy calls up to this size run on the loop (0: never)
     copy_lanes: int = 0  # GPU mode, Python submit threads per direction (0: 1 staged, else 2)
     reserve_space: bool = False  # allocate the whole block file at open (fallocate), not as blocks are written
+    ring_thread: str = "auto"  # io_uring: a C thread moves the native pumps ('on', 'off', 'auto': RING_THREAD_CPUS+)
     # ---- diagnostics (URING_KV_DEBUG_<NAME>)
     sqe_async: bool | None = None  # force IOSQE_ASYNC on (True) or off (False) for every SQE
     pumps: bool = True  # False: every batch runs in the Python pump, none in native ones
@@ -71,6 +75,8 @@ class Tuning:
     def __post_init__(self) -> None:
         if self.io not in ("auto", "uring", "threads"):
             raise ValueError(f"I/O mode must be 'auto', 'uring' or 'threads', got {self.io!r}")
+        if self.ring_thread not in RING_THREAD_MODES:
+            raise ValueError(f"Tuning.ring_thread must be 'auto', 'on' or 'off', got {self.ring_thread!r}")
         for name in ("completions_per_callback", "reap_budget_us", "iowq_workers", "host_inline_bytes",
                      "copy_lanes"):
             value = getattr(self, name)
@@ -86,6 +92,9 @@ class Tuning:
         io = env.get("URING_KV_IO") or d.io
         if io not in ("auto", "uring", "threads"):
             raise ValueError(f"URING_KV_IO must be 'auto', 'uring' or 'threads', got {io!r}")
+        ring_thread = env.get("URING_KV_RING_THREAD") or d.ring_thread
+        if ring_thread not in RING_THREAD_MODES:
+            raise ValueError(f"URING_KV_RING_THREAD must be 'auto', 'on' or 'off', got {ring_thread!r}")
 
         def on(name: str, default: bool) -> bool:
             value = _switch(env, f"URING_KV_DEBUG_{name}", default)
@@ -99,6 +108,7 @@ class Tuning:
             host_inline_bytes=_count(env, "URING_KV_HOST_INLINE_BYTES", d.host_inline_bytes, "a byte count"),
             copy_lanes=_count(env, "URING_KV_COPY_LANES", d.copy_lanes),
             reserve_space=bool(_switch(env, "URING_KV_RESERVE_SPACE", d.reserve_space)),
+            ring_thread=ring_thread,
             sqe_async=_switch(env, "URING_KV_DEBUG_SQE_ASYNC", d.sqe_async),
             pumps=on("PUMP", d.pumps),
             pump_scatter=on("PUMP_SCATTER", d.pump_scatter),
@@ -113,6 +123,15 @@ class Tuning:
         return dataclasses.asdict(self)
 
     # ---- policies derived from the knobs and an engine's geometry
+    def wants_ring_thread(self, cpus: int | None = None) -> bool:
+        """Whether an io_uring engine's native pumps are moved by the ring thread: 'on', 'off', or
+        ('auto') where the process may run on RING_THREAD_CPUS CPUs or more (``cpus``: how many;
+        default: its affinity). The thread spends a core's share the loop no longer spends; on
+        fewer CPUs the loop, the thread, the copier and io-wq's workers wait for each other."""
+        if self.ring_thread != "auto":
+            return self.ring_thread == "on"
+        return (cpus if cpus is not None else len(os.sched_getaffinity(0))) >= RING_THREAD_CPUS
+
     @staticmethod
     def copies_inline(num_slots: int, stride: int) -> bool:
         """Whether all slots together hold at most INLINE_PASS_BYTES: then a reap pass (which

@@ -24,16 +24,18 @@ __all__ = ["IOBackend", "NativePumps", "Op", "ThreadBackend", "UringBackend", "b
 MODES = ("auto", "uring", "threads")
 
 
-def ring_for(mode: str, services: LoopServices, entries: int = 256) -> tuple[NativeRing | None, str]:
+def ring_for(mode: str, services: LoopServices, entries: int = 256,
+             thread: bool = False) -> tuple[NativeRing | None, str]:
     """A ring for I/O mode ``mode`` ('auto', 'uring' or 'threads') and '', or None and why the
     thread pool runs instead: 'threads' asks for it; 'auto' falls back to it with one
-    RuntimeWarning naming the cause; 'uring' raises :class:`UringUnavailable` instead."""
+    RuntimeWarning naming the cause; 'uring' raises :class:`UringUnavailable` instead.
+    ``thread``: a ring for the ring thread (see ``_io/uring.py``)."""
     if mode not in MODES:
         raise ValueError(f"I/O mode must be 'auto', 'uring' or 'threads', got {mode!r}")
     if mode == "threads":
         return None, "io='threads'"
     try:
-        return open_ring(services.report, entries), ""
+        return open_ring(services.report, entries, thread=thread), ""
     except UringUnavailable as exc:
         if mode == "uring":
             raise

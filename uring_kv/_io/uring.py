@@ -17,6 +17,12 @@ Some facts about io_uring that shape it:
 Ops of the Python pump go through :meth:`UringBackend.submit` (a handler each); a native pump
 (:class:`RingPump`, made by :class:`NativePumps`) runs its blocks in C on the same ring, and the
 ring's reap moves it and calls its progress handler (``NativeRing``).
+
+A ring made for the ring thread (``open_ring(thread=True)``, csrc/ringthread.c) is opened without
+SINGLE_ISSUER and DEFER_TASKRUN: the thread reaps and submits refills while the loop submits its
+own ops and hands slots over, both under the ring's lock. Its eventfd is then the thread's, written
+only when the loop has something to take; the thread starts with the first op, once the buffers
+and the file are registered.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from uring_kv._bridge import job_error
 from uring_kv._io.base import Op, OpsInFlight
 from uring_kv._loop import LoopServices, current_services
 from uring_kv._native import BlockCopier, NativePump, NativeRing, Opcode, PumpCopies, SetupFlag, SqeFlag
@@ -49,14 +56,23 @@ def flag_names(flags: int) -> str:
     return "|".join(names) or "none"
 
 
+# A ring the ring thread and the loop share: two submitters, completions posted without waiting for
+# one of them to ask (no SINGLE_ISSUER, no DEFER_TASKRUN), nor for the loop's thread to enter the
+# kernel (no COOP_TASKRUN: the loop may sleep in epoll while the kernel has its completions).
+THREAD_FLAG_LADDER = (SetupFlag.SUBMIT_ALL, SetupFlag.NONE)
+
+
 def open_ring(report: Callable[[str, BaseException], None], entries: int = 256,
-              flags: Sequence[SetupFlag] = FLAG_LADDER) -> NativeRing:
+              flags: Sequence[SetupFlag] | None = None, thread: bool = False) -> NativeRing:
     """A ring with the newest setup flags the kernel takes (each of ``flags`` in turn, EINVAL
-    meaning too new); :class:`UringUnavailable` naming the cause when there is none. ``report``:
-    where the ring reports a pump handler that raised (the loop services')."""
+    meaning too new; default: FLAG_LADDER, or THREAD_FLAG_LADDER for a ring thread's);
+    :class:`UringUnavailable` naming the cause when there is none. ``report``: where the ring
+    reports a pump handler that raised (the loop services'); ``thread``: for the ring thread."""
+    if flags is None:
+        flags = THREAD_FLAG_LADDER if thread else FLAG_LADDER
     for candidate in flags:
         try:
-            return NativeRing(entries, entries * 4, candidate, report)
+            return NativeRing(entries, entries * 4, candidate, report, thread)
         except OSError as exc:
             if exc.errno != errno.EINVAL:  # EINVAL: these flags are too new; anything else is final
                 raise UringUnavailable(_unavailable_reason(exc)) from exc
@@ -88,7 +104,7 @@ class UringBackend(OpsInFlight):
     name = "uring"
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
-                 async_io: bool = False, flags: Sequence[SetupFlag] = FLAG_LADDER, depth: int | None = None,
+                 async_io: bool = False, flags: Sequence[SetupFlag] | None = None, depth: int | None = None,
                  async_writes: bool | None = None, tuning: Tuning | None = None, ring: NativeRing | None = None,
                  trace: Trace | None = None) -> None:
         services = services or current_services()
@@ -115,7 +131,11 @@ class UringBackend(OpsInFlight):
                  (False, True): ", IOSQE_ASYNC on writes", (False, False): ""}[(async_io, self.async_writes)]
         self.description = f"io_uring ({flag_names(ring.flags)}{which}{capped})"
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._ring.register_eventfd(self._efd)
+        self._thread_due = ring.thread  # the ring thread starts with the first op (see _start)
+        if ring.thread:
+            self.description += ", ring thread"
+        else:
+            self._ring.register_eventfd(self._efd)
         self._svc.add_reader(self._efd, self._on_wakeup)
         self._pending: dict[int, Op] = {}
         self._next_user_data = 1
@@ -151,6 +171,8 @@ class UringBackend(OpsInFlight):
         """Give ``pump`` more slots (pool index = registered-buffer index, address); each counts
         as in flight until handed back."""
         self._check_owner()
+        if self._thread_due:
+            self._start_thread()
         self.inflight += len(slots)
         self._pump_slots += len(slots)
         pump.add_slots(slots, addrs, slots)
@@ -183,12 +205,33 @@ class UringBackend(OpsInFlight):
             return
         self._fixed_fd[fd] = 0
 
+    def _start_thread(self) -> None:
+        """Start the ring thread: its polls are in flight from now on, so after the registrations
+        (which some kernels make wait for a ring with nothing in flight)."""
+        self._thread_due = False
+        self._ring.start_thread(self._efd)
+
+    @property
+    def ring_thread(self) -> bool:
+        """The ring thread moves the pumps (or will, from the first op)."""
+        return self._ring.thread
+
+    def thread_wakeups(self) -> tuple[int, int]:
+        """(the ring thread's wake-ups, how many of them woke the loop); (0, 0) without it."""
+        return self._ring.thread_wakeups() if self._ring.threaded else (0, 0)
+
+    def watch_copier(self, jobs: Any) -> None:
+        """The ring thread collects the pumps' copy jobs of ``jobs`` (a ``CopyJobs``)."""
+        self._ring.watch_copier(jobs)
+
     def _check_owner(self) -> None:
         if threading.get_ident() != self._owner:
             raise RuntimeError("io_uring ops must be submitted from the event loop thread that created the ring")
 
     def submit(self, ops: Sequence[Op]) -> None:
         self._check_owner()
+        if self._thread_due:
+            self._start_thread()
         self.inflight += len(ops)
         backlog = self._backlog
         for op in ops:
@@ -240,11 +283,20 @@ class UringBackend(OpsInFlight):
             reaped = ring.reap()
             self._completed.extend(reaped)
             tracer("reaped", None, len(reaped) + ring.pump_done - done_before)
+        if ring.threaded:
+            for rc, where in ring.job_fails():  # a pump's copy job, handled by the ring thread: its
+                if (error := job_error(rc, where)) is not None:  # blocks failed with EIO, say why
+                    self._svc.report("uring_kv copy failed", error)
         if ring.more and not self._reap_again:  # completions left over for a later loop turn
             self._reap_again = True
             self._svc.call_soon(self._reap_later)
         if not self._continuing:
             self._run_completions()
+
+    def stats(self) -> dict[str, Any]:
+        """Also ``loop_wakeups`` (the loop's wake-ups for the ring) and ``ring_thread_wakeups`` (the
+        ring thread's, 0 without it)."""
+        return {**super().stats(), "loop_wakeups": self.wakeups, "ring_thread_wakeups": self.thread_wakeups()[0]}
 
     def io_in_flight(self) -> int:
         """Reads and writes submitted to the ring and not yet reaped, pumps' and the others'."""

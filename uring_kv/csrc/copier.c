@@ -43,24 +43,25 @@ struct ukv_lane { struct ukv_copier *c; int to_slot; };
 struct ukv_copier {
     pthread_mutex_t mu;
     pthread_cond_t work_cv[2], bridge_cv;
-    struct ukv_fifo work[2], pending, done;
+    struct ukv_fifo work[2], pending, done, done_owned; /* done_owned: once routed (ukv_copier_route_owned) */
     struct ukv_lane lanes[2];
     pthread_t submit[2], bridge;
-    int started, stop_submit, stop_bridge, efd, cuda;
+    int started, stop_submit, stop_bridge, efd, owned_efd, cuda;
     int64_t delay; /* host: ns of sleep before each copy job; CUDA: GPU cycles of spin_func */
     uint64_t spin_func;
     int32_t fail_rc, fail_where; /* fault injection: the next copy job fails so */
     uint64_t *events;            /* CUDA: idle events for owned jobs (created as needed) */
     unsigned nevents, events_cap;
-    unsigned owned_jobs;         /* owned jobs queued and not yet taken (loop thread only) */
+    unsigned owned_jobs;         /* owned jobs queued and not yet taken (atomic: put and taken by two threads) */
     uint64_t ctx, func, table, used_bytes, streams[2];
     unsigned ntensors;
     uint64_t *bases, *block_bytes, *slot_offsets; /* point into tables[] */
     uint64_t tables[];
 };
 
-/* Called with the mutex held: the job's copies are over; 1 if the loop must be woken. An owned job's
- * event goes back to the pool (it has fired, or its job failed and the stream was waited for). */
+/* Called with the mutex held: the job's copies are over; which eventfds must be written (1: efd, 2:
+ * owned_efd), a list's first job waking its taker. An owned job's event goes back to the pool (it
+ * has fired, or its job failed and the stream was waited for). */
 static int finish(struct ukv_copier *c, struct ukv_job *j) {
     if (j->owner && j->event) {
         if (c->nevents == c->events_cap) {
@@ -72,16 +73,27 @@ static int finish(struct ukv_copier *c, struct ukv_job *j) {
         else ukv_cuda_event_drop(j->event); /* no memory to keep it: this thread has the context current */
         j->event = 0;
     }
-    int wake = c->done.head == NULL;
     j->done_ns = now_ns();
+    if (j->owner && c->owned_efd >= 0) {
+        int wake = c->done_owned.head == NULL ? 2 : 0;
+        fifo_push(&c->done_owned, j);
+        return wake;
+    }
+    int wake = c->done.head == NULL;
     fifo_push(&c->done, j);
     return wake;
 }
 
-static void wake_loop(struct ukv_copier *c) {
+static void signal_fd(int fd) {
     uint64_t one = 1;
     ssize_t w;
-    do w = write(c->efd, &one, sizeof one); while (w < 0 && errno == EINTR);
+    do w = write(fd, &one, sizeof one); while (w < 0 && errno == EINTR);
+}
+
+/* Write the eventfds `wake` names (finish's bits). */
+static void wake_loop(struct ukv_copier *c, int wake) {
+    if (wake & 1) signal_fd(c->efd);
+    if (wake & 2) signal_fd(c->owned_efd);
 }
 
 /* Runs a copy job (markers have nothing to run). `fail_rc` (fault injection, else 0): the job is
@@ -138,11 +150,12 @@ static void *submit_main(void *arg) {
         }
         run_job(c, j, fail_rc, fail_where);
         pthread_mutex_lock(&c->mu);
+        int wake;
         if (c->cuda && j->kind == UKV_JOB_COPY && !j->rc) {
             fifo_push(&c->pending, j);
             pthread_cond_signal(&c->bridge_cv);
-        } else if (finish(c, j)) {
-            wake_loop(c);
+        } else if ((wake = finish(c, j))) {
+            wake_loop(c, wake);
         }
     }
     pthread_mutex_unlock(&c->mu);
@@ -185,7 +198,7 @@ static void *bridge_main(void *arg) {
             if (!c->pending.head) c->pending.tail = kept.tail;
             c->pending.head = kept.head;
         }
-        if (wake) wake_loop(c);
+        if (wake) wake_loop(c, wake);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -224,6 +237,7 @@ int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uin
     pthread_cond_init(&c->work_cv[0], NULL);
     pthread_cond_init(&c->work_cv[1], NULL);
     pthread_cond_init(&c->bridge_cv, NULL);
+    c->owned_efd = -1;
     c->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (c->efd < 0) { int e = -errno; ukv_copier_free(c); return e; }
     for (int d = 0; d < 2; d++) {
@@ -308,30 +322,56 @@ int ukv_copier_put_owned(struct ukv_copier *c, uint64_t token, int to_slot, unsi
     fill(j, n, slot_addrs, dev_slots, gpu_blocks);
     memcpy(j->tags, tags, n * sizeof(uint32_t));
     j->owner = owner;
-    c->owned_jobs++;
+    __atomic_add_fetch(&c->owned_jobs, 1, __ATOMIC_RELAXED);
     int rc = job_queue(c, j);
-    if (rc) c->owned_jobs--;
+    if (rc) __atomic_sub_fetch(&c->owned_jobs, 1, __ATOMIC_RELAXED);
     return rc;
 }
 
 /* Owned jobs queued and not yet taken. */
-unsigned ukv_copier_owned_jobs(struct ukv_copier *c) { return c->owned_jobs; }
+unsigned ukv_copier_owned_jobs(struct ukv_copier *c) { return __atomic_load_n(&c->owned_jobs, __ATOMIC_RELAXED); }
+
+int ukv_copier_route_owned(struct ukv_copier *c) {
+    pthread_mutex_lock(&c->mu);
+    if (c->owned_efd < 0) {
+        c->owned_efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        if (c->owned_efd < 0) {
+            int e = -errno;
+            pthread_mutex_unlock(&c->mu);
+            return e;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    return c->owned_efd;
+}
+
+/* Move up to `max` finished jobs off `list` (signalled on `fd`), as ukv_copier_take describes. */
+static unsigned take_from(struct ukv_copier *c, struct ukv_fifo *list, int fd, int wake, unsigned max,
+                          struct ukv_job **out) {
+    uint64_t count;
+    while (read(fd, &count, sizeof count) < 0 && errno == EINTR) {}
+    unsigned k = 0;
+    pthread_mutex_lock(&c->mu);
+    struct ukv_job *j;
+    while (k < max && (j = fifo_pop(list))) out[k++] = j;
+    if (list->head) wake_loop(c, wake); /* more than max: the taker comes back for the rest */
+    pthread_mutex_unlock(&c->mu);
+    unsigned owned = 0;
+    for (unsigned i = 0; i < k; i++) owned += out[i]->owner != NULL;
+    if (owned) __atomic_sub_fetch(&c->owned_jobs, owned, __ATOMIC_RELAXED);
+    return k;
+}
+
+/* The owned jobs finished since routing (see ukv_copier_route_owned). */
+unsigned ukv_copier_take_owned(struct ukv_copier *c, unsigned max, struct ukv_job **out) {
+    return take_from(c, &c->done_owned, c->owned_efd, 2, max, out);
+}
 
 /* Move up to `max` finished jobs, oldest first, off the done list into `out`; the caller reads and
  * frees them (ukv_job_free). Clears the eventfd first, so a job finished after this call wakes the
  * loop again; with more than `max` finished, it is written again at once. */
 unsigned ukv_copier_take(struct ukv_copier *c, unsigned max, struct ukv_job **out) {
-    uint64_t count;
-    while (read(c->efd, &count, sizeof count) < 0 && errno == EINTR) {}
-    unsigned k = 0;
-    pthread_mutex_lock(&c->mu);
-    struct ukv_job *j;
-    while (k < max && (j = fifo_pop(&c->done))) out[k++] = j;
-    if (c->done.head) wake_loop(c); /* more than max: the loop comes back for the rest */
-    pthread_mutex_unlock(&c->mu);
-    for (unsigned i = 0; i < k; i++)
-        if (out[i]->owner) c->owned_jobs--;
-    return k;
+    return take_from(c, &c->done, c->efd, 1, max, out);
 }
 
 /* For a loop with no owned jobs to hand on: take up to `max` finished jobs as token, result (0 or
@@ -368,7 +408,7 @@ static void copier_stop(struct ukv_copier *c) {
 void ukv_copier_free(struct ukv_copier *c) {
     if (!c) return;
     copier_stop(c);
-    struct ukv_fifo *lists[] = {&c->work[0], &c->work[1], &c->pending, &c->done};
+    struct ukv_fifo *lists[] = {&c->work[0], &c->work[1], &c->pending, &c->done, &c->done_owned};
     for (unsigned i = 0; i < sizeof lists / sizeof *lists; i++) {
         struct ukv_job *j;
         while ((j = fifo_pop(lists[i]))) free(j);
@@ -377,6 +417,7 @@ void ukv_copier_free(struct ukv_copier *c) {
         for (unsigned i = 0; i < c->nevents; i++) ukv_cuda_event_drop(c->events[i]);
     free(c->events);
     if (c->efd >= 0) close(c->efd);
+    if (c->owned_efd >= 0) close(c->owned_efd);
     pthread_cond_destroy(&c->work_cv[0]);
     pthread_cond_destroy(&c->work_cv[1]);
     pthread_cond_destroy(&c->bridge_cv);

@@ -108,20 +108,64 @@ void ukv_scale(const int64_t *v, unsigned n, uint64_t factor, uint64_t *out) {
 }
 
 int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p) {
+    int ret = -EBUSY;
+    pthread_mutex_lock(&r->mu);
     for (int id = 0; id < UKV_MAX_PUMPS; id++) {
         if (!r->pumps[id]) {
             r->pumps[id] = p;
             p->id = id;
             if (id >= r->pump_hi) r->pump_hi = id + 1;
-            return id;
+            ret = id;
+            break;
         }
     }
-    return -EBUSY;
+    pthread_mutex_unlock(&r->mu);
+    return ret;
 }
 
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p) {
-    if (p->id >= 0 && p->id < UKV_MAX_PUMPS && r->pumps[p->id] == p) r->pumps[p->id] = NULL;
+    pthread_mutex_lock(&r->mu);
+    if (p->id >= 0 && p->id < UKV_MAX_PUMPS && r->pumps[p->id] == p) {
+        if (p->touched) { /* off the list of pumps that moved (the ring thread's, not yet taken) */
+            unsigned k = 0;
+            for (unsigned i = 0; i < r->ntouched; i++)
+                if (r->touched[i] != p->id) r->touched[k++] = r->touched[i];
+            r->ntouched = k;
+            p->touched = 0;
+        }
+        r->pumps[p->id] = NULL;
+    }
     p->id = -1;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void ukv_pump_state(struct ukv_ring *r, struct ukv_pump *p, uint32_t *out) {
+    pthread_mutex_lock(&r->mu);
+    out[0] = p->next; out[1] = p->inflight; out[2] = p->parked_empty; out[3] = (uint32_t)p->stop;
+    out[4] = p->nreleased;
+    pthread_mutex_unlock(&r->mu);
+}
+
+/* The slots handed back since the last call (at most max_slots of them), into out. */
+unsigned ukv_pump_take_released(struct ukv_ring *r, struct ukv_pump *p, uint32_t *out) {
+    pthread_mutex_lock(&r->mu);
+    unsigned n = p->nreleased;
+    if (n) memcpy(out, p->released, n * sizeof *out);
+    p->nreleased = 0;
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
+void ukv_pump_stop(struct ukv_ring *r, struct ukv_pump *p) {
+    pthread_mutex_lock(&r->mu);
+    p->stop = 1;
+    pthread_mutex_unlock(&r->mu);
+}
+
+void ukv_pump_set_class(struct ukv_ring *r, struct ukv_pump *p, int klass) {
+    pthread_mutex_lock(&r->mu);
+    p->klass = klass;
+    pthread_mutex_unlock(&r->mu);
 }
 
 /* The attached pump a tagged user_data or job token names (UKV_PUMP_TAG | id << 32 | slot), or NULL. */
@@ -214,9 +258,9 @@ static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int qu
 
 static int pump_may_refill(const struct ukv_pump *p) {
     if (p->stop || p->next >= p->nblocks) return 0;
-    if (p->waiting) /* let a waiter of its class or a lower one have it */
+    if (p->waiting) /* let a waiter of its class or a lower one have it (Python writes the counts) */
         for (int k = 0; k <= p->klass; k++)
-            if (p->waiting[k]) return 0;
+            if (__atomic_load_n(&p->waiting[k], __ATOMIC_RELAXED)) return 0;
     return 1;
 }
 
@@ -246,9 +290,13 @@ static void pump_next_or_release(struct ukv_ring *r, struct ukv_pump *p, unsigne
 int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
                        const uint64_t *addrs, const int32_t *bufs) {
     int kept = 0;
+    pthread_mutex_lock(&r->mu);
     for (unsigned i = 0; i < n; i++) {
         unsigned s = slots[i];
-        if (s >= p->max_slots || p->state[s] != SLOT_FREE) return -EINVAL; /* not a slot it may be given */
+        if (s >= p->max_slots || p->state[s] != SLOT_FREE) { /* not a slot it may be given */
+            pthread_mutex_unlock(&r->mu);
+            return -EINVAL;
+        }
         p->slot_addr[s] = addrs[i];
         p->slot_buf[s] = bufs[i];
         p->inflight++;
@@ -258,6 +306,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
     }
     if (p->ncopy) pump_flush(r, p);
     int ret = submit_retry(&r->ring);
+    pthread_mutex_unlock(&r->mu);
     return ret < 0 ? ret : kept;
 }
 
@@ -397,7 +446,7 @@ static void pumps_settle(struct ukv_ring *r) {
 }
 
 /* Hand the caller the pumps touched since ntouched was last cleared, and clear their marks. */
-static void take_touched(struct ukv_ring *r, int32_t *touched, unsigned *ntouched) {
+void take_touched(struct ukv_ring *r, int32_t *touched, unsigned *ntouched) {
     for (unsigned i = 0; i < r->ntouched; i++) {
         touched[i] = r->touched[i];
         r->pumps[r->touched[i]]->touched = 0;
@@ -407,7 +456,11 @@ static void take_touched(struct ukv_ring *r, int32_t *touched, unsigned *ntouche
 }
 
 /* Pump I/Os in flight at once on this ring: at most `cap` (0: no limit). */
-void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap) { r->io_cap = cap; }
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap) {
+    pthread_mutex_lock(&r->mu);
+    r->io_cap = cap;
+    pthread_mutex_unlock(&r->mu);
+}
 
 /* How many loads' memcpys a reap has put off until after its refills were submitted (copy_later). */
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r) { return r->copied_late; }
@@ -436,7 +489,19 @@ unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak) {
  * completions. */
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more) {
+    unsigned ctl = 0;
+    pthread_mutex_lock(&r->mu);
     if (r->flags & IORING_SETUP_DEFER_TASKRUN) io_uring_get_events(&r->ring);
+    unsigned total = ring_reap(r, user_data, res, max, submit_error, budget_ns, more, &ctl);
+    take_touched(r, touched, ntouched);
+    pthread_mutex_unlock(&r->mu);
+    return (int)total;
+}
+
+/* ukv_reap_pumped's work, under the lock, leaving the pumps that moved marked: also the ring
+ * thread's. The completions of the ring thread's own polls (UKV_CTL_TAG | n) set bit n of *ctl. */
+unsigned ring_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int *submit_error,
+                   int64_t budget_ns, int *more, unsigned *ctl) {
     struct io_uring_cqe *cqes[256];
     unsigned total = 0;
     int64_t deadline = budget_ns > 0 ? now_ns() + budget_ns : 0;
@@ -462,6 +527,10 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
                     pumped++;
                     touch(r, p);
                     out_of_time = deadline && now_ns() >= deadline;
+                    continue;
+                }
+                if (ud & UKV_CTL_TAG) {
+                    *ctl |= 1u << (ud & 7);
                     continue;
                 }
                 user_data[total] = ud;
@@ -495,8 +564,7 @@ int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsig
             break;
         }
     }
-    take_touched(r, touched, ntouched);
-    return (int)total;
+    return total;
 }
 
 /* A pump's copy job, taken from the copier (`token` names the pump it was queued for): its slots
@@ -523,18 +591,38 @@ unsigned ukv_ring_collect(struct ukv_ring *r, struct ukv_copier *c, unsigned max
     unsigned k = ukv_copier_take(c, max < UKV_TAKE_MAX ? max : UKV_TAKE_MAX, taken);
     *ntouched = 0;
     *submit_error = 0;
-    int pumped = 0;
     for (unsigned i = 0; i < k; i++) {
         struct ukv_job *j = taken[i];
         tokens[i] = j->token; rcs[i] = j->rc; wheres[i] = j->where; done_ns[i] = j->done_ns;
+    }
+    pthread_mutex_lock(&r->mu);
+    *submit_error = ring_collect_jobs(r, taken, k);
+    if (r->ntouched && !r->threaded) take_touched(r, touched, ntouched); /* (threaded: the loop takes them) */
+    pthread_mutex_unlock(&r->mu);
+    return k;
+}
+
+/* Under the lock: the pumps' jobs among the k taken move their slots on (the parked slots then take
+ * the room there is, due copies are queued, the refills submitted: 0 or the submission's -errno);
+ * every job is freed. */
+int ring_collect_jobs(struct ukv_ring *r, struct ukv_job **jobs, unsigned k) {
+    int pumped = 0;
+    for (unsigned i = 0; i < k; i++) {
+        struct ukv_job *j = jobs[i];
         if (j->owner && pump_job_done(r, j->owner, j->token, j->tags, j->n, j->rc)) pumped = 1;
         ukv_job_free(j);
     }
-    if (pumped) {
-        pumps_settle(r);
-        int ret = submit_retry(&r->ring);
-        take_touched(r, touched, ntouched);
-        if (ret < 0) *submit_error = ret;
-    }
-    return k;
+    if (!pumped) return 0;
+    pumps_settle(r);
+    int ret = submit_retry(&r->ring);
+    return ret < 0 ? ret : 0;
+}
+
+/* Whether the loop has something to take: completions of its own ops, a failed submission, or a
+ * pump that moved and handed slots back. */
+int ring_wants_loop(const struct ukv_ring *r) {
+    if (r->nout || r->submit_error || r->njob_fails) return 1;
+    for (unsigned i = 0; i < r->ntouched; i++)
+        if (r->pumps[r->touched[i]]->nreleased) return 1;
+    return 0;
 }

@@ -14,12 +14,18 @@ int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct 
     r->flags = p.flags;
     r->features = p.features;
     r->cq_entries = p.cq_entries;
+    r->notify_fd = r->stop_fd = r->copier_fd = -1;
+    pthread_mutex_init(&r->mu, NULL);
     *out = r;
     return 0;
 }
 
 void ukv_ring_close(struct ukv_ring *r) {
+    ukv_ring_thread_stop(r);
     io_uring_queue_exit(&r->ring);
+    pthread_mutex_destroy(&r->mu);
+    free(r->out_ud);
+    free(r->out_res);
     free(r);
 }
 
@@ -71,16 +77,19 @@ static void prep(struct io_uring_sqe *sqe, const struct ukv_op *op) {
  * Returns n, or -errno if the kernel refused a submission (then ops from the failing one on
  * may not have been submitted: the caller treats the ring as broken). */
 int ukv_submit(struct ukv_ring *r, const struct ukv_op *ops, unsigned n) {
+    int ret = 0;
+    pthread_mutex_lock(&r->mu);
     for (unsigned i = 0; i < n;) {
         struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
         if (!sqe) {
-            int ret = submit_retry(&r->ring);
-            if (ret < 0) return ret;
+            ret = submit_retry(&r->ring);
+            if (ret < 0) break;
             continue;
         }
         prep(sqe, &ops[i++]);
     }
-    int ret = submit_retry(&r->ring);
+    if (ret >= 0) ret = submit_retry(&r->ring);
+    pthread_mutex_unlock(&r->mu);
     return ret < 0 ? ret : (int)n;
 }
 

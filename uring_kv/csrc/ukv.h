@@ -7,6 +7,9 @@
  *   pump.c     pumps: batches run in C on a ring (I/O, memcpys or copy jobs, refills), the pumped
  *              reap and the collection of their finished copy jobs; the block-array helpers that
  *              prepare and check their input
+ *   ringthread.c  the ring thread: a C thread that waits for the ring's completions and the
+ *              copier's pump jobs and moves the pumps, telling the loop only when a pump hands
+ *              slots back or an op of its own completes
  *   copier.c   the native copier: submit threads and a bridge running copy jobs without the GIL;
  *              host memcpys of blocks. It knows nothing of pumps: they queue owned jobs and take
  *              them back through the interface below ("copier.c"), so calls go one way, pump.c to
@@ -67,6 +70,8 @@ struct ukv_pump;
 #define UKV_MAX_PUMPS 256
 #define UKV_PUMP_TAG (1ULL << 63)
 #define UKV_LATER_MAX 256 /* loads' memcpys one reap pass may put off (pump_complete) */
+#define UKV_CTL_TAG (1ULL << 62) /* user_data of the ring thread's own polls (ringthread.c) */
+#define UKV_JOB_FAILS 16 /* failed pump copy jobs the ring thread keeps for the loop to report */
 
 struct ukv_ring {
     struct io_uring ring;
@@ -83,6 +88,22 @@ struct ukv_ring {
     unsigned ntouched;
     uint64_t copied_late; /* loads' memcpys done after the refills of the same reap pass (copy_later) */
     uint64_t io_done;     /* pump I/Os completed so far */
+    /* Every entry point below that touches the ring or a pump holds `mu`: uncontended unless the
+     * ring thread runs (ringthread.c), which moves the pumps while the loop submits and reads. */
+    pthread_mutex_t mu;
+    int threaded;         /* the ring thread runs: it alone reaps the CQ */
+    pthread_t thread;
+    int notify_fd, stop_fd; /* the loop's eventfd (written when it has something to take); the thread's stop */
+    int notified;         /* notify_fd written since the loop last took (ukv_ring_take) */
+    struct ukv_copier *copier; /* whose pump jobs the thread collects (ukv_ring_watch_copier), or NULL */
+    int copier_fd;        /* that copier's eventfd for pump jobs */
+    uint64_t *out_ud;     /* completions of ops not of pumps, reaped by the thread for the loop */
+    int32_t *out_res;
+    unsigned nout, out_cap;
+    int submit_error;     /* the thread's last failed submission (-errno), for the loop */
+    int32_t job_rc[UKV_JOB_FAILS], job_where[UKV_JOB_FAILS]; /* pump copy jobs that failed, for the loop */
+    unsigned njob_fails;
+    uint64_t wakeups, notifies; /* the thread's wake-ups, and the loop's */
 };
 
 int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct ukv_ring **out);
@@ -113,6 +134,7 @@ static inline int64_t now_ns(void) {
 /* ---- pump.c (struct ukv_pump is described there) ----------------------------------------------- */
 
 struct ukv_copier;
+struct ukv_job;
 
 struct ukv_pump {
     int id, write, fd, fixed_buffers;
@@ -172,8 +194,31 @@ uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
 uint64_t ukv_ring_pump_done(const struct ukv_ring *r);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
                     unsigned *ntouched, int *submit_error, int64_t budget_ns, int *more);
+/* A pump's state for the loop, read under the ring's lock: out[0] blocks started, [1] slots held,
+ * [2] of them parked without a block, [3] stopped, [4] slots handed back and not yet taken. */
+void ukv_pump_state(struct ukv_ring *r, struct ukv_pump *p, uint32_t *out);
+unsigned ukv_pump_take_released(struct ukv_ring *r, struct ukv_pump *p, uint32_t *out);
+void ukv_pump_stop(struct ukv_ring *r, struct ukv_pump *p);
+void ukv_pump_set_class(struct ukv_ring *r, struct ukv_pump *p, int klass);
+/* pump.c's side of the ring thread: what one wake-up does (under the lock) */
+unsigned ring_reap(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int *submit_error,
+                   int64_t budget_ns, int *more, unsigned *ctl);
+int ring_collect_jobs(struct ukv_ring *r, struct ukv_job **jobs, unsigned k);
+void take_touched(struct ukv_ring *r, int32_t *touched, unsigned *ntouched);
+int ring_wants_loop(const struct ukv_ring *r);
 unsigned ukv_ring_collect(struct ukv_ring *r, struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs,
                           int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched, int *submit_error);
+
+/* ---- ringthread.c ------------------------------------------------------------------------------ */
+
+int ukv_ring_thread_start(struct ukv_ring *r, int notify_fd);
+void ukv_ring_thread_stop(struct ukv_ring *r);
+int ukv_ring_watch_copier(struct ukv_ring *r, struct ukv_copier *c);
+void ukv_ring_unwatch_copier(struct ukv_ring *r);
+unsigned ukv_ring_take(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
+                       unsigned *ntouched, int *submit_error);
+uint64_t ukv_ring_thread_wakeups(struct ukv_ring *r, uint64_t *notifies);
+unsigned ukv_ring_take_job_fails(struct ukv_ring *r, int32_t *rcs, int32_t *wheres);
 
 /* Move one padded block between a staging slot and every cache tensor (the memcpys of pumps and of
  * the host copier). */
@@ -231,6 +276,10 @@ int ukv_copier_put_owned(struct ukv_copier *c, uint64_t token, int to_slot, unsi
                          const uint64_t *dev_slots, const int64_t *gpu_blocks, void *owner, const uint32_t *tags);
 unsigned ukv_copier_take(struct ukv_copier *c, unsigned max, struct ukv_job **out);
 void ukv_job_free(struct ukv_job *j);
+/* Owned jobs from now on finish on a list of their own, signalled on the eventfd returned (made on
+ * the first call; -errno), and taken with ukv_copier_take_owned: the ring thread's. */
+int ukv_copier_route_owned(struct ukv_copier *c);
+unsigned ukv_copier_take_owned(struct ukv_copier *c, unsigned max, struct ukv_job **out);
 
 /* ---- cuda.c ------------------------------------------------------------------------------------ */
 
