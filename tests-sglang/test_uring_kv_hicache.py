@@ -430,3 +430,16 @@ def test_a_store_over_several_directories_stripes_its_pages(tmp_path: Path, pool
         backend.close()
     with pytest.raises(ValueError, match="fsync applies to a persistent store"):
         make(tmp_path, pool, fsync=True)
+
+
+def test_its_reads_run_as_prefetches(backend: UringKVHiCacheStorage, pool: HostPool) -> None:
+    """SGLang reads its storage only from its prefetch thread, for requests not yet scheduled:
+    every batch_get_v1 runs in uring_kv's prefetch class (behind demand loads, ahead of the backup
+    thread's writes), as the engine's books for the last second show."""
+    ks = keys(1, 2)
+    pool.fill([0, 1], seed=3)
+    assert backend.batch_set_v1(ks, slots([0, 1])) == [True, True]
+    assert backend.batch_get_v1(ks, slots([4, 5])) == [True, True]
+    metrics = backend._store.store.engine.metrics()  # type: ignore[union-attr]
+    assert metrics["prefetch"]["rate_bytes_s"] > 0
+    assert metrics["load"]["rate_bytes_s"] == 0  # no demand load

@@ -234,17 +234,18 @@ class SyncStore(Generic[S]):
         self._check_waitable()
         return self.submit_put(keys, rows, after).result(timeout)
 
-    def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None) -> None:
+    def get(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None, timeout: float | None = None, *,
+            prefetch: Prefetch | None = None) -> None:
         """``submit_get(...).result(timeout)``: waits for the rows to be loaded (not from the
         store's own thread). A timeout leaves the get running: its rows stay in use until it ends."""
         self._check_waitable()
-        self.submit_get(keys, rows, after).result(timeout)
+        self.submit_get(keys, rows, after, prefetch=prefetch).result(timeout)
 
     def get_present(self, keys: Iterable[bytes], rows: Iterable[int], after: Any = None,
-                    timeout: float | None = None) -> list[bytes]:
+                    timeout: float | None = None, *, prefetch: Prefetch | None = None) -> list[bytes]:
         """``submit_get_present(...).result(timeout)``: the keys loaded (not from the store's own thread)."""
         self._check_waitable()
-        return self.submit_get_present(keys, rows, after).result(timeout)
+        return self.submit_get_present(keys, rows, after, prefetch=prefetch).result(timeout)
 
     def close(self) -> None:
         """Refuse new calls, finish those submitted, close the store, join its thread. Returns only

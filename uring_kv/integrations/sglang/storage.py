@@ -15,6 +15,10 @@ across restarts. Load it with SGLang's dynamic backend::
 How it answers SGLang's contract (``HiCacheStorage``; every call blocks, from SGLang's prefetch
 and backup threads):
 
+* ``batch_get_v1`` runs in the prefetch class (``uring_kv.Prefetch``: behind demand loads, ahead of
+  the backup thread's writes): SGLang reads its storage only from its prefetch thread, for requests
+  not yet scheduled, and never tells the storage when a request it prefetches for is scheduled
+  (its ``prefetch_stop_policy`` waits for, or ends, the prefetch instead), so nothing upgrades one.
 * ``batch_exists``: the number of leading keys whose pages are in the file, from the store's
   index on the calling thread (no I/O).
 * ``batch_set_v1`` / ``batch_get_v1`` (zero-copy): ``host_indices`` are token slots of the pool,
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from uring_kv import Prefetch
 from uring_kv.errors import KeyIOError
 from uring_kv.integrations.config import StoreConfig, fingerprint_name, open_store
 from uring_kv.sync import SyncBlockStore
@@ -167,7 +172,7 @@ class UringKVHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
         encoded = [key.encode() for key in keys]
         try:  # every (key, page) pair, a key asked twice included; those held when it runs
-            loaded = set(store.get_present(encoded, list(pages)))
+            loaded = set(store.get_present(encoded, list(pages), prefetch=Prefetch()))
         except Exception:
             logger.exception("UringKVHiCacheStorage: a prefetch of %d pages failed", len(keys))
             return [False] * len(keys)
