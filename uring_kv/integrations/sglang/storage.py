@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from uring_kv import Prefetch
+from uring_kv._prefetch import Prefetch
 from uring_kv.errors import KeyIOError
 from uring_kv.integrations.config import StoreConfig, fingerprint_name, open_store
 from uring_kv.sync import SyncBlockStore
