@@ -15,6 +15,7 @@
 #include "ukv.h"
 
 #include <poll.h>
+#include <signal.h>
 
 enum { CTL_STOP = 0, CTL_COPIER = 1 };
 
@@ -50,15 +51,33 @@ static void notify(struct ukv_ring *r) {
 /* Passes over completions that refills complete inside their own submission (page-cache hits) may
  * go on this many times per wake-up before the lock is let go. */
 #define PASSES_MAX 8
+/* A wake-up waits for up to a quarter of the pump I/Os in flight (at most WAIT_MAX), or WAIT_NS,
+ * whichever comes first: woken for every completion, the thread queued a copy job per block
+ * (GPU mode: a kernel launch and an event each) where the loop's reap had gathered several. */
+#define WAIT_MAX 8
+#define WAIT_NS 50000
+
+/* Wait for completions without the lock (the loop submits meanwhile). EINTR, ETIME, or EBUSY with
+ * completions the CQ could not take all end in the reap that follows. */
+static void wait_completions(struct ukv_ring *r) {
+    unsigned inflight = __atomic_load_n(&r->io_inflight, __ATOMIC_RELAXED);
+    unsigned want = inflight / 4 < WAIT_MAX ? inflight / 4 : WAIT_MAX;
+    if (want > 1 && (r->features & IORING_FEAT_EXT_ARG)) {
+        struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = WAIT_NS};
+        struct io_uring_getevents_arg arg = {.sigmask = 0, .sigmask_sz = _NSIG / 8, .ts = (uint64_t)(uintptr_t)&ts};
+        syscall(__NR_io_uring_enter, r->ring.ring_fd, 0, want, IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG, &arg,
+                sizeof arg);
+        return;
+    }
+    syscall(__NR_io_uring_enter, r->ring.ring_fd, 0, 1, IORING_ENTER_GETEVENTS, NULL, 0);
+}
 
 static void *ring_main(void *arg) {
     struct ukv_ring *r = arg;
     pthread_setname_np(pthread_self(), "ukv-ring");
     struct ukv_job *jobs[UKV_TAKE_MAX];
     for (;;) {
-        /* Wait for a completion without the lock (the loop submits meanwhile); EINTR, or EBUSY
-         * with completions the CQ could not take, both end in the reap below. */
-        syscall(__NR_io_uring_enter, r->ring.ring_fd, 0, 1, IORING_ENTER_GETEVENTS, NULL, 0);
+        wait_completions(r);
         pthread_mutex_lock(&r->mu);
         r->wakeups++;
         unsigned ctl = 0, room = 1;
