@@ -6,7 +6,9 @@ The threads, by the names they carry: the event loop (``MainThread``: Python, th
 submissions and reaps, copies small enough to run inline), the native copier's C threads
 (``ukv-copy-h2d``/``ukv-copy-d2h``) and bridge (``ukv-bridge``), the Python copier or bridge
 threads (``uring-kv-*``), and the kernel's io-wq workers (``iou-wrk-*``: reads and writes handed
-off with IOSQE_ASYNC, i.e. the syscalls' own work). Threads that exited during the run are one
+off with IOSQE_ASYNC, i.e. the syscalls' own work) and the ring thread (``ukv-ring``, where
+URING_KV_RING_THREAD puts the pumps on it); and the loop's and the ring thread's wake-ups per block.
+Threads that exited during the run are one
 line ("exited"), the rest of the process's total.
 
     python -P lab/cpu_by_thread.py [--dir /dev/shm] [--block-size 128K] [--batches 64] [--batch 256]
@@ -84,6 +86,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for first in range(0, num_disk_blocks, args.batch):  # every block written once
             await engine.store_batch(list(range(args.batch)), disk[first:first + args.batch])
         for op in ("load", "store"):
+            woken0 = engine.stats()
             before, total0 = thread_cpu()
             start = time.perf_counter()
             for i in range(args.batches):
@@ -95,12 +98,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     await engine.store_batch(gpu, disk[first:first + args.batch])
             elapsed = time.perf_counter() - start
             after, total1 = thread_cpu()
+            woken1 = engine.stats()
+            moved = args.batches * args.batch
+            wakeups = {name: (woken1.get(name, 0) - woken0.get(name, 0)) / moved
+                       for name in ("loop_wakeups", "ring_thread_wakeups")}
             gigabytes = args.batches * args.batch * args.block_size / 1e9
             groups: dict[str, float] = {}
             for tid, (name, seconds) in after.items():
                 groups[group(name)] = groups.get(group(name), 0.0) + seconds - before.get(tid, (name, 0.0))[1]
             groups["exited threads"] = (total1 - total0) - sum(groups.values())
             result[op] = {"gbps": gigabytes / elapsed, "core_s_per_gb_total": (total1 - total0) / gigabytes,
+                          "wakeups_per_block": wakeups,
                           "core_s_per_gb": {k: v / gigabytes for k, v in sorted(groups.items(), key=lambda kv: -kv[1])
                                             if abs(v) > 1e-9}}
     return result
@@ -122,7 +130,9 @@ def main() -> None:
           f"{result['copy']}; O_DIRECT {result['direct']})")
     for op in ("load", "store"):
         part = result[op]
-        print(f"{op}: {part['gbps']:.2f} GB/s, {part['core_s_per_gb_total']:.3f} core-s/GB in all")
+        woken = part["wakeups_per_block"]
+        print(f"{op}: {part['gbps']:.2f} GB/s, {part['core_s_per_gb_total']:.3f} core-s/GB in all; wake-ups per "
+              f"block: loop {woken['loop_wakeups']:.3f}, ring thread {woken['ring_thread_wakeups']:.3f}")
         for name, value in part["core_s_per_gb"].items():
             print(f"  {name:<32} {value:7.3f} core-s/GB  {value / part['core_s_per_gb_total']:5.0%}")
     if args.json:
