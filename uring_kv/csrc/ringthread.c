@@ -58,11 +58,13 @@ static void notify(struct ukv_ring *r) {
 #define WAIT_NS 50000
 
 /* Wait for completions without the lock (the loop submits meanwhile). EINTR, ETIME, or EBUSY with
- * completions the CQ could not take all end in the reap that follows. */
-static void wait_completions(struct ukv_ring *r) {
+ * completions the CQ could not take all end in the reap that follows. `idle`: the last wake-up
+ * found nothing (a wait that timed out): wait for the first completion, however long (slow
+ * completions, 2 MiB writes say, would otherwise wake the thread every WAIT_NS for nothing). */
+static void wait_completions(struct ukv_ring *r, int idle) {
     unsigned inflight = __atomic_load_n(&r->io_inflight, __ATOMIC_RELAXED);
     unsigned want = inflight / 4 < WAIT_MAX ? inflight / 4 : WAIT_MAX;
-    if (want > 1 && (r->features & IORING_FEAT_EXT_ARG)) {
+    if (want > 1 && !idle && (r->features & IORING_FEAT_EXT_ARG)) {
         struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = WAIT_NS};
         struct io_uring_getevents_arg arg = {.sigmask = 0, .sigmask_sz = _NSIG / 8, .ts = (uint64_t)(uintptr_t)&ts};
         syscall(__NR_io_uring_enter, r->ring.ring_fd, 0, want, IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG, &arg,
@@ -76,11 +78,13 @@ static void *ring_main(void *arg) {
     struct ukv_ring *r = arg;
     pthread_setname_np(pthread_self(), "ukv-ring");
     struct ukv_job *jobs[UKV_TAKE_MAX];
+    int idle = 0;
     for (;;) {
-        wait_completions(r);
+        wait_completions(r, idle);
         pthread_mutex_lock(&r->mu);
         r->wakeups++;
         unsigned ctl = 0, room = 1;
+        uint64_t done = r->io_done, nout = r->nout;
         for (int pass = 0; pass < PASSES_MAX; pass++) {
             int more = 0, err = 0;
             room = r->out_cap - r->nout;
@@ -104,6 +108,7 @@ static void *ring_main(void *arg) {
             if (err) r->submit_error = err;
         }
         notify(r);
+        idle = !ctl && r->io_done == done && r->nout == nout;
         int full = r->nout == r->out_cap;
         pthread_mutex_unlock(&r->mu);
         if (ctl & (1u << CTL_STOP)) break;
