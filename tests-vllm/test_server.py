@@ -67,8 +67,11 @@ class Server:
                    # vLLM's default (0) SIGKILLs an engine process still tearing down at once: on a
                    # loaded machine the tier's own shutdown would never run
                    "--shutdown-timeout", "60"]
-        # a KV connector makes vLLM keep one more core for itself: on two, none would be left
-        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+        # a KV connector makes vLLM keep one more core for itself: on two, none would be left; and
+        # the engine gives its worker 5 s to exit before SIGTERM by default, which a worker tearing
+        # down torch on a loaded 2-core machine can take (4 s unloaded here): the graceful exit
+        # checked below is the worker's own, in its own time
+        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"}
         self.log = log
         self._out = open(log, "wb")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(command, stdout=self._out, stderr=subprocess.STDOUT, env=env,
