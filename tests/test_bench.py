@@ -134,7 +134,9 @@ def test_bench_output_fits_100_columns_with_the_verdict_first(tmp_path: Path) ->
     assert lines[0].startswith("uring-kv bench · ") and lines[1].startswith(f"file in {tmp_path} (")
     verdict = next(line for line in lines if not line.startswith(("uring-kv bench", "file in", " ")) and
                    "layers" not in line)
-    assert verdict.startswith("load   64 KiB cold") and "of disk limit" in verdict and "× vLLM DiskBackend" in verdict
+    # (the lower of the disk's and the copy path's ceilings: on a loaded machine the copies' may be)
+    assert verdict.startswith("load   64 KiB cold") and "× vLLM DiskBackend" in verdict
+    assert "of disk limit" in verdict or "of copy limit" in verdict
     assert any(line.startswith("store 128 KiB cold") for line in lines)
     assert "{" not in done.stdout and "pumped_batches" not in done.stdout
     assert not list(tmp_path.glob("uring-kv-bench-*"))
