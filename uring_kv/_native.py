@@ -140,10 +140,9 @@ class NativeRing:
     def job_fails(self) -> list[tuple[int, int]]:
         """(CUresult, where it failed) of each pump copy job the ring thread found failed since
         the last call (their blocks failed with EIO; the loop reports why)."""
-        rcs = ffi.new("int32_t[]", int(_lib.UKV_JOB_FAILS))
-        wheres = ffi.new("int32_t[]", int(_lib.UKV_JOB_FAILS))
-        n = _lib.ukv_ring_take_job_fails(self._ring, rcs, wheres)
-        return list(zip(ffi.unpack(rcs, n), ffi.unpack(wheres, n), strict=True))
+        out = self._jobs  # (its arrays hold CopyJobs.BATCH entries, more than UKV_JOB_FAILS)
+        n = _lib.ukv_ring_take_job_fails(self._ring, out.rcs, out.wheres)
+        return list(zip(ffi.unpack(out.rcs, n), ffi.unpack(out.wheres, n), strict=True))
 
     def thread_wakeups(self) -> tuple[int, int]:
         """(the ring thread's wake-ups, how many of them woke the loop)."""
@@ -253,26 +252,19 @@ class NativeRing:
         done: list[tuple[int, int]] = []
         moved: list[NativePump] = []
         self.more = False
-        if self.threaded:  # what the ring thread left: its pumps have moved already
-            while True:
+        while True:
+            if self.threaded:  # what the ring thread left: its pumps have moved already
                 got = _lib.ukv_ring_take(self._ring, self._reap_ud, self._reap_res, self._reap_cap, self._touched,
                                          self._ntouched, self._submit_error)
-                self._moved(moved)
-                if got:
-                    done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
-                if got < self._reap_cap:
-                    if moved:
-                        self._progress(moved)
-                    return done
-        while True:
-            got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
-                                       self._touched, self._ntouched, self._submit_error, self._reap_budget_ns,
-                                       self._more)
+            else:
+                got = _lib.ukv_reap_pumped(self._ring, self._reap_ud, self._reap_res, self._reap_cap,
+                                           self._touched, self._ntouched, self._submit_error, self._reap_budget_ns,
+                                           self._more)
             self._moved(moved)
             if got:
                 done.extend(zip(ffi.unpack(self._reap_ud, got), ffi.unpack(self._reap_res, got), strict=True))
             if got < self._reap_cap:
-                self.more = bool(self._more[0])
+                self.more = not self.threaded and bool(self._more[0])
                 if moved:
                     self._progress(moved)
                 return done
@@ -649,3 +641,6 @@ class _JobsOut:
 PUMP_TAG = int(_lib.UKV_PUMP_TAG)  # the tag bit of pumps' user_data and copy job tokens
 FAIL_ENQUEUE = int(_lib.UKV_FAIL_ENQUEUE)
 FAIL_WAIT = int(_lib.UKV_FAIL_WAIT)
+# NativeRing.job_fails reads into _JobsOut's arrays
+if int(_lib.UKV_JOB_FAILS) > CopyJobs.BATCH:  # pragma: no cover
+    raise ImportError("CopyJobs.BATCH is below UKV_JOB_FAILS")
