@@ -153,6 +153,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
                        const uint64_t *addrs, const int32_t *bufs);
 void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap);
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
+void ukv_ring_phases(struct ukv_ring *r, int reset, int64_t *out);
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
 uint64_t ukv_ring_pump_done(const struct ukv_ring *r);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
@@ -194,6 +195,7 @@ int ukv_cuda_event_free(uint64_t ctx, uint64_t event);
 int ukv_cuda_order_after(uint64_t ctx, uint64_t caller, uint64_t event, const uint64_t *streams, unsigned nstreams);
 int ukv_cuda_event_sync(uint64_t ctx, uint64_t event);
 int ukv_cuda_event_query(uint64_t event);
+int ukv_cuda_host_device_pointer(uint64_t ctx, uint64_t host, uint64_t *dev);
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const uint64_t *dev_slots,
                          const int64_t *gpu_blocks, uint64_t stream, uint64_t done_event);
@@ -218,6 +220,8 @@ int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, 
 unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
                          int64_t *done_ns);
 unsigned ukv_copier_owned_jobs(struct ukv_copier *c);
+#define UKV_PHASES 12
+void ukv_copier_phases(struct ukv_copier *c, int reset, int64_t *out);
 unsigned ukv_ring_collect(struct ukv_ring *r, struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs,
                           int32_t *wheres, int64_t *done_ns, int32_t *touched, unsigned *ntouched, int *submit_error);
 void ukv_copier_free(struct ukv_copier *c);

@@ -40,10 +40,11 @@ async def store_zero_load(engine: Engine, caches: dict[str, torch.Tensor], disk_
         assert torch.equal(t.view(torch.int16), reference[name].view(torch.int16)), name
 
 
-COPY_PATHS = {  # id: (URING_KV_DEBUG_CUDA_STAGED, URING_KV_DEBUG_CUDA_BATCH, how stats()["copy"] starts)
-    "staged": ("1", "1", "staged"),
-    "batched-copies": ("0", "1", "cuMemcpyBatchAsync"),
-    "per-copy": ("0", "0", "per-copy"),
+COPY_PATHS = {  # id: (URING_KV_DEBUG_CUDA_STAGED, _MAPPED, _BATCH, how stats()["copy"] starts)
+    "staged": ("1", "0", "1", "staged"),
+    "mapped": ("1", "1", "1", "mapped"),
+    "batched-copies": ("0", "0", "1", "cuMemcpyBatchAsync"),
+    "per-copy": ("0", "0", "0", "per-copy"),
 }
 
 
@@ -51,8 +52,9 @@ COPY_PATHS = {  # id: (URING_KV_DEBUG_CUDA_STAGED, URING_KV_DEBUG_CUDA_BATCH, ho
 @pytest.mark.parametrize("io", ["uring", "threads"])
 async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, path: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    staged, batch, description = COPY_PATHS[path]
+    staged, mapped, batch, description = COPY_PATHS[path]
     monkeypatch.setenv("URING_KV_DEBUG_CUDA_STAGED", staged)
+    monkeypatch.setenv("URING_KV_DEBUG_CUDA_MAPPED", mapped)
     monkeypatch.setenv("URING_KV_DEBUG_CUDA_BATCH", batch)
     caches = bf16_layers()
     async with Engine(caches, tmp_path / "kv.bin", 256, num_slots=16, io=io) as engine:
@@ -60,9 +62,10 @@ async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, pat
         await store_zero_load(engine, caches, list(range(100, 164)))
         stats = engine.stats()
         assert stats["leases_held"] == 0
-        # GPU mode: batches in native pumps on the native copier (staged copies), every SQE
+        assert stats["plan"]["copier"] == {"staged": "staged", "mapped": "mapped"}.get(path, "pieces")
+        # GPU mode: batches in native pumps on the native copier (kernel copies), every SQE
         # (O_DIRECT too) handed to io-wq
-        assert (stats["pumped_batches"] == 2) == (io == "uring" and path == "staged")
+        assert (stats["pumped_batches"] == 2) == (io == "uring" and path in ("staged", "mapped"))
         assert ("IOSQE_ASYNC" in stats["io"]) == (io == "uring")
 
 
@@ -237,30 +240,32 @@ async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkey
 
 
 @pytest.mark.parametrize("protection", ["kept", "removed"])
-@pytest.mark.parametrize("copier", ["native", "python"])
+@pytest.mark.parametrize("copier", ["native", "native-mapped", "python"])
 async def test_a_slowed_gpu_never_hands_a_slot_on_before_its_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   copier: str, protection: str) -> None:
     """Two slots and every copy call held ~3 ms on the GPU (the native copier launches a kernel
     that only waits, the Python lanes torch's sleep) before its copies, on their stream: a slot
-    reissued before its copy finished would hand the copy the next read's bytes. With the
-    native copier the batches run in native pumps. With the protection removed (slots freed when
-    their copy is enqueued, block by block) the same race must corrupt blocks, or the kept case
-    proves nothing."""
+    reissued before its copy finished would hand the copy the next read's bytes (on the mapped
+    path the kernel reads the host slot itself). With the native copier the batches run in native
+    pumps. With the protection removed (slots freed when their copy is enqueued, block by block)
+    the same race must corrupt blocks, or the kept case proves nothing."""
     import time
 
-    monkeypatch.setenv("URING_KV_DEBUG_NATIVE_COPIER", "1" if copier == "native" else "0")
+    monkeypatch.setenv("URING_KV_DEBUG_NATIVE_COPIER", "0" if copier == "python" else "1")
+    monkeypatch.setenv("URING_KV_DEBUG_CUDA_MAPPED", "1" if copier == "native-mapped" else "0")
     if protection == "removed":
         release_on_submit(monkeypatch)
     caches = id_caches("cuda", blocks=8)
     async with Engine(caches, tmp_path / "kv.bin", 32, num_slots=2, copy_delay=0.003) as engine:
-        assert getattr(engine.copier, "native", False) == (copier == "native")
+        assert getattr(engine.copier, "native", False) == (copier != "python")
+        assert (engine.stats()["plan"]["copier"] == "mapped") == (copier == "native-mapped")
         await engine.store_batch([0], [0])
         start = time.perf_counter()
         await engine.load_batch([0], [1])
         assert time.perf_counter() - start > 0.001, "the copy was not slowed"
         wrong = await seed_race(engine, caches, calls=25)
         # native, kept: in native pumps (their copy jobs on the native copier); else block by block
-        assert (engine.stats()["pumped_batches"] > 0) == (copier == "native" and protection == "kept")
+        assert (engine.stats()["pumped_batches"] > 0) == (copier != "python" and protection == "kept")
     assert (wrong == 0) if protection == "kept" else (wrong > 0)
 
 

@@ -66,6 +66,31 @@ async def test_cpu_batches_run_in_pumps_and_move_exact_bytes(make_engine: Engine
         assert all(lease.state is LeaseState.FREE for lease in engine.pool.leases)
 
 
+async def test_slot_phases_count_every_pumped_block_once(make_engine: EngineFactory, copies: str) -> None:
+    """Engine.slot_phases: each pumped block's I/O is timed once; with copy jobs each block's copy
+    too, in the copier's per-direction books; a clear starts them again."""
+    caches = id_caches("cpu", blocks=32)
+    async with make_engine(caches, 64, num_slots=8) as engine:
+        await store_identity(engine, caches, 32)
+        stored = engine.slot_phases(clear=True)
+        await engine.load_batch(list(range(32)), list(range(32)))
+        loaded = engine.slot_phases()
+        assert stored["pump_io"]["count"] == loaded["pump_io"]["count"] == 32
+        assert loaded["pump_io"]["mean_us"] > 0
+        jobs = copies == "copier"
+        assert loaded["pump_copy"]["count"] == (32 if jobs else 0)
+        # (the native copier runs either way; the memcpy pumps give it nothing)
+        assert stored["copy_jobs"]["store"]["blocks"] == loaded["copy_jobs"]["load"]["blocks"] == (32 if jobs else 0)
+        assert loaded["copy_jobs"]["store"] == {"jobs": 0, "blocks": 0, "queued_us": None, "enqueue_us": None,
+                                                "run_us": None, "handover_us": None}
+        if jobs:
+            load = loaded["copy_jobs"]["load"]
+            assert 4 <= load["jobs"] <= 32 and load["enqueue_us"] > 0 and load["handover_us"] > 0
+        cleared = engine.slot_phases(clear=True)
+        assert cleared == loaded
+        assert engine.slot_phases()["pump_io"] == {"count": 0, "mean_us": None}
+
+
 def record_hand_overs(engine: Engine, monkeypatch: pytest.MonkeyPatch, into: list[str]) -> None:
     """Append "submit" to ``into`` each time slots are handed to a pump (its reads then start)."""
 

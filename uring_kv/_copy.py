@@ -70,6 +70,9 @@ class Copier(Protocol):
     def stats(self) -> dict[str, Any]:
         """What it shows of itself in ``Engine.stats()``: ``copy`` (its description)."""
 
+    def phases(self, clear: bool = False) -> dict[str, Any]:
+        """Diagnostics: the native copier's jobs' phases (see ``Engine.slot_phases``); {} without it."""
+
     def close(self) -> None: ...
 
 
@@ -135,6 +138,9 @@ class _NativeUser:
 
     def stats(self) -> dict[str, Any]:
         return {"copy": self.description}
+
+    def phases(self, clear: bool = False) -> dict[str, Any]:
+        return {"copy_jobs": self._link.jobs.phases(clear)} if self._link is not None else {}
 
 
 class HostCopier(_NativeUser):
@@ -260,17 +266,21 @@ def staged_kernel_preparer(device: Any, staged: bool) -> Callable[[], None] | No
 
 
 def staged_path(device: Any, blocks: BlockCopier, host_base: int, stride: int, slots: int,
-                used_bytes: int) -> tuple[Staging | None, str]:
+                used_bytes: int, mapped: bool = False) -> tuple[Staging | None, str]:
     """The staged path's device side for the host slab at ``host_base`` (``slots`` slots of
-    ``stride`` bytes, ``used_bytes`` used in each): device staging slots, the tensor table and the
-    compiled kernel (:class:`_cuda.Staging`), or None and why it cannot be built here (no NVRTC,
-    no device memory); None and '' without a CUDA driver (the copier then refuses to start)."""
+    ``stride`` bytes, ``used_bytes`` used in each): device staging slots (none when ``mapped``: the
+    kernel then moves the pinned slots' bytes itself), the tensor table and the compiled kernel
+    (:class:`_cuda.Staging`), or None and why it cannot be built here (no NVRTC, no device memory);
+    None and '' without a CUDA driver (the copier then refuses to start). Where the mapped form was
+    asked for and the slab could not be mapped, the staging has device slots and the reason is
+    returned with it."""
     if not _cuda.load_cuda_driver():
         return None, ""
     try:
-        return Staging(device, blocks, host_base, stride, slots, used_bytes), ""
+        staging = Staging(device, blocks, host_base, stride, slots, used_bytes, mapped)
     except Exception as exc:  # reported in the plan and the description; the per-piece path still works
         return None, f"{type(exc).__name__}: {exc}"
+    return staging, f"mapped form unavailable: {staging.mapped_error}" if staging.mapped_error else ""
 
 
 class _Lane:
@@ -457,7 +467,9 @@ class CudaCopier(_NativeUser):
     @property
     def description(self) -> str:
         if self._staging is not None:
-            return "staged: one copy per block + scatter kernel" + (", native copier" if self._link else "")
+            how = ("mapped: scatter kernel over the bus from the pinned slots" if self._staging.mapped
+                   else "staged: one copy per block + scatter kernel")
+            return how + (", native copier" if self._link else "")
         return self._pieces.description + (
             f" (staged path unavailable: {self.staging_error})" if self.staging_error else "")
 

@@ -173,7 +173,8 @@ class PieceCopies:
 
 
 # The staged path's kernel: one thread block per (tensor, block) piece, moving it between the
-# block's device staging slot and the tensor. UKV_STAGED_MAX is csrc/ukv.h's (through cffi); the
+# block's staging slot (on the device, or the pinned host slot itself on the mapped path) and the
+# tensor. UKV_STAGED_MAX is csrc/ukv.h's (through cffi); the
 # struct matches csrc/cuda.c's struct ukv_blocks.
 _SCATTER_SOURCE = f"\n#define UKV_STAGED_MAX {STAGED_MAX}" + r"""
 struct UkvBlocks { unsigned long long staging[UKV_STAGED_MAX]; long long gpu[UKV_STAGED_MAX]; };
@@ -185,9 +186,17 @@ extern "C" __global__ void ukv_scatter(const unsigned long long* table, UkvBlock
     char* dst = to_slot ? stage : dev;
     const char* src = to_slot ? dev : stage;
     if ((((unsigned long long)dst | (unsigned long long)src | n) & 15ULL) == 0) {
-        uint4* d = (uint4*)dst;
-        const uint4* s = (const uint4*)src;
-        for (unsigned long long k = threadIdx.x; k < n / 16; k += blockDim.x) d[k] = s[k];
+        uint4* __restrict__ d = (uint4*)dst;
+        const uint4* __restrict__ s = (const uint4*)src;
+        // Four loads in flight per thread before their stores: on the mapped path each load crosses
+        // the bus (a microsecond or so), and one at a time would leave the link idle.
+        const unsigned long long words = n / 16, step = blockDim.x;
+        unsigned long long k = threadIdx.x;
+        for (; k + 3 * step < words; k += 4 * step) {
+            const uint4 v0 = s[k], v1 = s[k + step], v2 = s[k + 2 * step], v3 = s[k + 3 * step];
+            d[k] = v0; d[k + step] = v1; d[k + 2 * step] = v2; d[k + 3 * step] = v3;
+        }
+        for (; k < words; k += step) d[k] = s[k];
     } else {
         for (unsigned long long k = threadIdx.x; k < n; k += blockDim.x) dst[k] = src[k];
     }
@@ -257,24 +266,49 @@ def staged_kernel_preparer(device: Any) -> Callable[[], None] | None:
     return prepare
 
 
+def host_device_pointer(ctx: int, host: int) -> int:
+    """The device's address of the pinned (mapped) host memory at ``host``."""
+    dev = ffi.new("uint64_t *")
+    rc = _lib.ukv_cuda_host_device_pointer(ctx, host, dev)
+    if rc:
+        raise CudaError(int(rc), "cuMemHostGetDevicePointer")
+    return int(dev[0])
+
+
 class Staging:
-    """The staged copy path: one device slot per host slot, the tensor table on the device, the
-    compiled scatter/gather kernel; :meth:`enqueue` moves blocks with one driver copy per block and
-    one kernel per ``STAGED_MAX`` blocks."""
+    """The kernel copy path: the tensor table on the device and the compiled scatter/gather
+    kernel, which moves each block's pieces between its staging slot and the cache tensors, one
+    launch per ``STAGED_MAX`` blocks. The staging slot is
+
+    - ``mapped``: the pinned host slot itself, which the kernel reads and writes over the bus
+      (``used_bytes`` is then 0: no driver copy per block);
+    - else one device slot per host slot, filled (emptied) by one driver copy per block.
+
+    The mapped form is asked for with ``mapped``; where the driver cannot map the host slab, the
+    device slots are built and ``mapped_error`` says why."""
 
     def __init__(self, device: Any, blocks: BlockCopier, host_base: int, stride: int, slots: int,
-                 used_bytes: int) -> None:
+                 used_bytes: int, mapped: bool = False) -> None:
         import torch
 
+        self.mapped_error = ""
         with torch.cuda.device(device):
             self.kernel = staged_kernel(device)
             self.func = int(self.kernel.func.value)
             self.table_tensor = torch.tensor([v for row in blocks.table for v in row], dtype=torch.int64,
                                              device=device)
             self.table = int(self.table_tensor.data_ptr())
-            self.slots_tensor = torch.empty(slots * stride, dtype=torch.uint8, device=device)
-        self.dev_base = int(self.slots_tensor.data_ptr())
-        self.host_base, self.used_bytes = host_base, used_bytes
+            self.slots_tensor: Any = None
+            if mapped:
+                try:
+                    self.dev_base = host_device_pointer(cuda_current_context(), host_base)
+                except CudaError as exc:
+                    self.mapped_error = str(exc)
+            if not mapped or self.mapped_error:
+                self.slots_tensor = torch.empty(slots * stride, dtype=torch.uint8, device=device)
+                self.dev_base = int(self.slots_tensor.data_ptr())
+        self.mapped = self.slots_tensor is None
+        self.host_base, self.used_bytes = host_base, 0 if self.mapped else used_bytes
         self.ntensors = len(blocks.table)
 
     def dev_slots(self, slot_addrs: Sequence[int]) -> list[int]:
@@ -286,8 +320,8 @@ class Staging:
 
     def enqueue(self, ctx: int, done: CudaEvent, to_slot: bool, slot_addrs: Sequence[int],
                 gpu_blocks: Sequence[int], stream: int) -> None:
-        """One C call: per block one copy between the host slot and its device staging slot, and
-        one kernel moving the pieces to or from the caches; then record ``done``."""
+        """One C call: per block one copy between the host slot and its device staging slot (none
+        when mapped), and one kernel moving the pieces to or from the caches; then record ``done``."""
         rc = _lib.ukv_cuda_copy_staged(
             ctx, self.func, self.table, self.ntensors, self.used_bytes, int(to_slot), len(slot_addrs),
             ffi.new("uint64_t[]", slot_addrs), ffi.new("uint64_t[]", self.dev_slots(slot_addrs)),

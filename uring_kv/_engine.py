@@ -199,10 +199,12 @@ class Engine(OpenClose):
             layout = self.layout
             blocks = BlockCopier([t.data_ptr() for t in layout.tensors], layout.tensor_block_bytes, layout.offsets)
             staging, staged_error = (
-                staged_path(self.device, blocks, pool.slab.addr, file.stride, self.num_slots, self.block_bytes)
+                staged_path(self.device, blocks, pool.slab.addr, file.stride, self.num_slots, self.block_bytes,
+                            tuning.cuda_mapped)
                 if self.gpu and tuning.cuda_staged else (None, ""))
             self.plan = plan = make_plan(tuning, self._geometry(file), ring is not None, io_reason,
-                                         staging is not None, staged_error, ring is not None and ring.thread)
+                                         staging is not None, staged_error, ring is not None and ring.thread,
+                                         staging is not None and staging.mapped)
             io, uring = backend_for(plan, svc, ring, tuning, self._trace)
         except BaseException:
             if ring is not None and io is None:  # (not yet the backend's)
@@ -565,6 +567,18 @@ class Engine(OpenClose):
         """The block file's descriptor (block ``d`` at ``d * stats()["stride"]``), for tools that read
         it beside the engine, such as the bench's peers; valid while the engine is open."""
         return int(self.file.fd)
+
+    def slot_phases(self, clear: bool = False) -> dict[str, Any]:
+        """Diagnostics (for timing studies; may change): where the native pumps' slots and the
+        native copier's jobs spent their time since ``open()`` or the last ``clear``:
+        ``pump_io`` and ``pump_copy`` (a slot's I/O, submitted → completed, and its copy, due →
+        the job collected: ``{"count", "mean_us"}``), and ``copy_jobs`` per direction (``load``,
+        ``store``: ``jobs``, ``blocks``, mean µs per job ``queued_us`` → ``enqueue_us`` →
+        ``run_us`` (the GPU and the bridge) → ``handover_us``). Keys are absent where the part
+        does not run (no io_uring, no native copier)."""
+        if self._driver is None:
+            raise RuntimeError(f"uring_kv Engine for {self.path}: slot_phases() once open() has run")
+        return {**self.io.phases(clear), **self.copier.phases(clear)}
 
     def delivery_times(self, clear: bool = False) -> list[int]:
         """Diagnostics (may change): ns from each finished copy (CUDA event or copier job) to the

@@ -205,6 +205,15 @@ class NativeRing:
         now = _lib.ukv_ring_pump_io(self._ring, peak)
         return int(now), int(peak[0])
 
+    def phases(self, reset: bool = False) -> dict[str, Any]:
+        """Where the pumps' slots spent their time since the last reset: ``io`` (submitted →
+        completed) and ``copy`` (copy due → its job collected: copier pumps only), each
+        ``{"count", "mean_us"}``."""
+        out = ffi.new("int64_t[4]")
+        _lib.ukv_ring_phases(self._ring, int(reset), out)
+        return {name: {"count": int(out[i]), "mean_us": round(out[i + 1] / out[i] / 1e3, 1) if out[i] else None}
+                for name, i in (("io", 0), ("copy", 2))}
+
     @property
     def pump_done(self) -> int:
         """Pump I/Os completed so far (their completions handled in C)."""
@@ -603,6 +612,24 @@ class CopyJobs:
     def pump_jobs(self) -> int:
         """Pumps' copy jobs (owned jobs) queued and not yet collected."""
         return int(_lib.ukv_copier_owned_jobs(self._c)) if self._c is not None else 0
+
+    def phases(self, reset: bool = False) -> dict[str, Any]:
+        """The copy jobs' phases since the last reset, per direction (``load``: to the caches,
+        ``store``: to the slots): ``jobs``, ``blocks`` and the mean µs per job ``queued`` (put →
+        taken by its submit thread), ``enqueue`` (the driver calls, or host memcpys), ``run``
+        (enqueued → seen done: the GPU and the bridge), ``handover`` (done → taken by the loop or
+        the ring thread)."""
+        if self._c is None:
+            return {}
+        out = ffi.new("int64_t[]", _lib.UKV_PHASES)
+        _lib.ukv_copier_phases(self._c, int(reset), out)
+        result: dict[str, Any] = {}
+        for d, name in ((0, "load"), (1, "store")):
+            jobs = int(out[6 * d])
+            result[name] = {"jobs": jobs, "blocks": int(out[6 * d + 1]), **{
+                phase: round(out[6 * d + i] / jobs / 1e3, 1) if jobs else None
+                for i, phase in ((2, "queued_us"), (3, "enqueue_us"), (4, "run_us"), (5, "handover_us"))}}
+        return result
 
     def done(self) -> list[tuple[int, int, int, int]]:
         """Finished jobs, oldest first: (token, CUresult or 0, where it failed, CLOCK_MONOTONIC ns).

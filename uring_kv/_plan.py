@@ -50,8 +50,9 @@ class Plan:
     async_reads: bool  # io_uring: IOSQE_ASYNC on read SQEs (the kernel's work goes to io-wq threads)
     async_writes: bool  # io_uring: IOSQE_ASYNC on write SQEs
     depth: int | None  # at most this many reads and writes in flight (None: as many as the slots)
-    copier: str  # 'host' (memcpy), 'staged' (CUDA: a copy per block + a scatter kernel) or 'pieces' (CUDA: per piece)
-    staged_error: str  # why the staged path is not taken where it was asked for ('' otherwise)
+    copier: str  # 'host' (memcpy); CUDA: 'staged' (a copy per block + a scatter kernel), 'mapped' (the
+    #              kernel alone, over the bus from the pinned slots) or 'pieces' (a copy per piece)
+    staged_error: str  # why the staged path (or its mapped form) is not taken where it was asked for ('' otherwise)
     native_copier: bool  # copies off the loop run on the native copier's C threads, not Python threads
     copy_lanes: int  # CUDA: submit streams (and Python threads, without the native copier) per direction
     copy_batch: bool  # CUDA per piece: all of a call's pieces in one cuMemcpyBatchAsync where the driver has it
@@ -70,14 +71,14 @@ class Plan:
 
 
 def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, staged: bool,
-              staged_error: str = "", ring_thread: bool = False) -> Plan:
+              staged_error: str = "", ring_thread: bool = False, mapped: bool = False) -> Plan:
     """The plan for ``geometry`` under ``tuning``, where io_uring runs (``uring``; else the thread
-    pool, for ``io_reason``) and the staged CUDA path was built (``staged``; else ``staged_error``
-    says why, when it was asked for)."""
+    pool, for ``io_reason``) and the staged CUDA path was built (``staged``, ``mapped`` when in its
+    mapped form; else ``staged_error`` says why, when it was asked for)."""
     g = geometry
     async_reads, async_writes = tuning.sqe_flags(g.gpu, g.direct, g.num_slots, g.stride) if uring else (False, False)
     if g.gpu:
-        copier = "staged" if staged else "pieces"
+        copier = ("mapped" if mapped else "staged") if staged else "pieces"
         native_copier = tuning.native_copier and staged  # the native copier runs staged copies only
         lanes = 1 if native_copier else tuning.copy_lanes or (1 if staged else 2)
         inline_blocks = 0
@@ -86,7 +87,7 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
         # A memcpy of up to host_inline_bytes takes tens of µs on the loop; handing it to a thread
         # and back costs more. A copy_delay (tests widening race windows) sends every call to the thread.
         inline_blocks = 0 if g.slowed else tuning.host_inline_bytes // max(1, g.block_bytes)
-    call_blocks = STAGED_MAX if copier == "staged" else max(1, COPY_CALL_PIECES // g.tensors)
+    call_blocks = STAGED_MAX if copier in ("staged", "mapped") else max(1, COPY_CALL_PIECES // g.tensors)
     # Batches on io_uring run in native pumps unless something per block needs Python (checksums).
     # Their copies are memcpys in the reap while a block's copy may run on the loop (CPU mode's
     # inline copies) and all slots together hold at most INLINE_PASS_BYTES (a pump's start, and a
@@ -107,7 +108,8 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
         async_writes=async_writes,
         depth=g.io_depth if g.io_depth < g.num_slots else None,
         copier=copier,
-        staged_error=staged_error if g.gpu and tuning.cuda_staged and not staged else "",
+        staged_error=staged_error if g.gpu and tuning.cuda_staged and not (staged and mapped == tuning.cuda_mapped)
+        else "",
         native_copier=native_copier,
         copy_lanes=lanes,
         copy_batch=tuning.cuda_batch and g.gpu and not staged,

@@ -69,6 +69,7 @@ class Tuning:
     native_copier: bool = True  # False: the Python copy threads and bridge
     cuda_staged: bool = True  # False: no device staging + scatter kernel
     cuda_batch: bool = True  # False: no cuMemcpyBatchAsync (one driver call per piece)
+    cuda_mapped: bool = False  # True: the kernel reads and writes the pinned host slots (no device staging)
     start_hop: bool = True  # False: a batch does not yield the loop between its set-up and first I/O
     huge_pages: bool = True  # False: no MADV_HUGEPAGE on the staging slots (see _memory.HostBuffer)
 
@@ -115,6 +116,7 @@ class Tuning:
             native_copier=on("NATIVE_COPIER", d.native_copier),
             cuda_staged=on("CUDA_STAGED", d.cuda_staged),
             cuda_batch=on("CUDA_BATCH", d.cuda_batch),
+            cuda_mapped=on("CUDA_MAPPED", d.cuda_mapped),
             start_hop=on("START_HOP", d.start_hop),
             huge_pages=on("HUGE_PAGES", d.huge_pages),
         )

@@ -72,6 +72,10 @@ class IOBackend(Protocol):
     def stats(self) -> dict[str, Any]:
         """What it shows of itself in ``Engine.stats()``: ``io`` (its description), ``fixed_buffers``."""
 
+    def phases(self, clear: bool = False) -> dict[str, Any]:
+        """Diagnostics: where native pumps' slots spent their time (see ``Engine.slot_phases``);
+        {} where nothing runs in them."""
+
     def close(self) -> None:
         """Release the backend. Raises RuntimeError while ops are in flight (their memory is still in use)."""
 
@@ -120,6 +124,9 @@ class OpsInFlight:
 
     def stats(self) -> dict[str, Any]:
         return {"io": self.description, "fixed_buffers": self.fixed_buffers}
+
+    def phases(self, clear: bool = False) -> dict[str, Any]:
+        return {}
 
     def submit(self, ops: Sequence[Op]) -> None:
         raise NotImplementedError

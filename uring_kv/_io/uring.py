@@ -298,6 +298,9 @@ class UringBackend(OpsInFlight):
         ring thread's, 0 without it)."""
         return {**super().stats(), "loop_wakeups": self.wakeups, "ring_thread_wakeups": self.thread_wakeups()[0]}
 
+    def phases(self, clear: bool = False) -> dict[str, Any]:
+        return {"pump_" + name: value for name, value in self._ring.phases(clear).items()}
+
     def io_in_flight(self) -> int:
         """Reads and writes submitted to the ring and not yet reaped, pumps' and the others'."""
         return len(self._pending) + self._ring.pump_io()[0]

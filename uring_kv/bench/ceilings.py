@@ -5,9 +5,11 @@
   offsets): the ceiling users already trust, when ``fio`` is on PATH.
 * ``copy ceiling``: the engine's own copy path and nothing else: a batch's blocks moved between
   staging slots filled beforehand and the cache rows, no file, no ring, no loop. On a GPU that is
-  the staged path (one driver copy per block between pinned slots and device staging, one
-  scatter/gather kernel per call): the H2D (loads) and D2H (stores) ceiling; in CPU mode the
-  memcpy of the host copier. A load cannot go faster than the lower of this and the ring ceiling.
+  the kernel path the engine takes under the same tuning (staged: one driver copy per block
+  between pinned slots and device staging, one scatter/gather kernel per call; mapped: the kernel
+  alone, reading or writing the pinned slots over the bus): the H2D (loads) and D2H (stores)
+  ceiling; in CPU mode the memcpy of the host copier. A load cannot go faster than the lower of
+  this and the ring ceiling.
 * ``pcie ceiling``: 1 GiB copies between pinned host memory and the GPU, each way (GPU only).
 
 The depth sweep times the ring ceiling's loads at each of :data:`DEPTHS`; :func:`recommend_depth`
@@ -95,11 +97,12 @@ class RingCeiling:
 class CopyCeiling:
     """The engine's copy path alone, between ``batch`` staging slots of ``stride`` bytes and the
     cache tensors ``caches`` (each block of tensor t: ``block_bytes[t]`` bytes at
-    ``slot_offsets[t]`` of its slot, as the engine lays it out). A load's slots are filled from the
+    ``slot_offsets[t]`` of its slot, as the engine lays it out; ``mapped``: the kernel path's mapped
+    form, as the engine's plan says). A load's slots are filled from the
     file before the clock starts, so its rows can be checked like any method's."""
 
     def __init__(self, caches: list[torch.Tensor], block_bytes: list[int], slot_offsets: list[int], fd: int,
-                 stride: int, batch: int) -> None:
+                 stride: int, batch: int, mapped: bool = False) -> None:
         self.fd, self.stride = fd, stride
         self.device = caches[0].device
         self.blocks = BlockCopier([t.data_ptr() for t in caches], block_bytes, slot_offsets)
@@ -114,12 +117,14 @@ class CopyCeiling:
             self.ctx = gpu.context()
             self.stream = gpu.stream()
             self.staging = _cuda.Staging(self.device, self.blocks, self.slots.addr, stride, batch,
-                                         self.blocks.bytes_per_block)
+                                         self.blocks.bytes_per_block, mapped)
             self.event = _cuda.CudaEvent(self.ctx)
 
     @property
     def description(self) -> str:
-        return "staged H2D/D2H copies" if self.staging is not None else "host memcpy"
+        if self.staging is None:
+            return "host memcpy"
+        return "mapped: the scatter kernel alone" if self.staging.mapped else "staged H2D/D2H copies"
 
     def run_measured(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
         """Seconds and process CPU seconds of one batch's copies (rows to slots for a store)."""

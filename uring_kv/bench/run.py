@@ -93,8 +93,11 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 for op in ops:
                     progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(methods)} (rotating)")
                     engine.delivery_times(clear=True)
+                    engine.slot_phases(clear=True)
                     with frozen_heap(config.gc_freeze):
                         tallies = await measure(work, methods, op, fd, stride)
+                    # uring_kv's runs of this op: where its slots' time went (diagnostics, may change)
+                    extra[case][f"slot_phases_{op}"] = engine.slot_phases()
                     rows.extend(to_row(work, op, case, name, tally) for name, tally in tallies.items())
                     delivery = [x / 1e3 for x in engine.delivery_times()]
                     extra[case][f"bridge_us_{op}"] = {  # None: no copy went through the bridge (CPU inline)
@@ -144,7 +147,8 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
         ceiling: ceilings.RingCeiling = closing.add(ceilings.RingCeiling(fd, stride, engine.io_depth))
         methods["ring ceiling"] = functools.partial(_in_thread_timed, ceiling.run_measured)
         try:
-            copies = closing.add(ceilings.CopyCeiling(work.caches, *work.slot_layout(), fd, stride, config.batch))
+            copies = closing.add(ceilings.CopyCeiling(work.caches, *work.slot_layout(), fd, stride, config.batch,
+                                                      mapped=engine.stats()["plan"]["copier"] == "mapped"))
         except Exception as exc:  # a GPU where the staged kernel cannot be built (no NVRTC): said, not fatal
             extra["notes"]["copy ceiling"] = f"left out: {type(exc).__name__}: {exc}"
         else:

@@ -53,6 +53,7 @@ struct ukv_copier {
     uint64_t *events;            /* CUDA: idle events for owned jobs (created as needed) */
     unsigned nevents, events_cap;
     unsigned owned_jobs;         /* owned jobs queued and not yet taken (atomic: put and taken by two threads) */
+    int64_t phases[UKV_PHASES];  /* ukv_copier_phases, under the mutex */
     uint64_t ctx, func, table, used_bytes, streams[2];
     unsigned ntensors;
     uint64_t *bases, *block_bytes, *slot_offsets; /* point into tables[] */
@@ -74,6 +75,7 @@ static int finish(struct ukv_copier *c, struct ukv_job *j) {
         j->event = 0;
     }
     j->done_ns = now_ns();
+    if (j->kind == UKV_JOB_COPY && j->enqueued_ns) c->phases[6 * j->to_slot + 4] += j->done_ns - j->enqueued_ns;
     if (j->owner && c->owned_efd >= 0) {
         int wake = c->done_owned.head == NULL ? 2 : 0;
         fifo_push(&c->done_owned, j);
@@ -144,12 +146,20 @@ static void *submit_main(void *arg) {
         int own_event = c->cuda && j->owner;
         if (own_event && c->nevents) j->event = c->events[--c->nevents];
         pthread_mutex_unlock(&c->mu);
+        j->start_ns = now_ns();
         if (own_event && !j->event && (j->rc = ukv_cuda_event_new(c->ctx, &j->event))) {
             j->event = 0;
             j->where = UKV_FAIL_ENQUEUE;
         }
         run_job(c, j, fail_rc, fail_where);
+        j->enqueued_ns = now_ns();
         pthread_mutex_lock(&c->mu);
+        if (j->kind == UKV_JOB_COPY) {
+            int64_t *ph = c->phases + 6 * j->to_slot;
+            ph[0]++; ph[1] += j->n;
+            ph[2] += j->start_ns - j->queued_ns;
+            ph[3] += j->enqueued_ns - j->start_ns;
+        }
         int wake;
         if (c->cuda && j->kind == UKV_JOB_COPY && !j->rc) {
             fifo_push(&c->pending, j);
@@ -282,6 +292,7 @@ void ukv_job_free(struct ukv_job *j) { free(j); }
 
 static int job_queue(struct ukv_copier *c, struct ukv_job *j) {
     int to_slot = j->to_slot;
+    j->queued_ns = now_ns();
     pthread_mutex_lock(&c->mu);
     int stopping = c->stop_submit;
     if (!stopping) fifo_push(&c->work[to_slot], j);
@@ -328,6 +339,13 @@ int ukv_copier_put_owned(struct ukv_copier *c, uint64_t token, int to_slot, unsi
     return rc;
 }
 
+void ukv_copier_phases(struct ukv_copier *c, int reset, int64_t *out) {
+    pthread_mutex_lock(&c->mu);
+    memcpy(out, c->phases, sizeof c->phases);
+    if (reset) memset(c->phases, 0, sizeof c->phases);
+    pthread_mutex_unlock(&c->mu);
+}
+
 /* Owned jobs queued and not yet taken. */
 unsigned ukv_copier_owned_jobs(struct ukv_copier *c) { return __atomic_load_n(&c->owned_jobs, __ATOMIC_RELAXED); }
 
@@ -353,7 +371,11 @@ static unsigned take_from(struct ukv_copier *c, struct ukv_fifo *list, int fd, i
     unsigned k = 0;
     pthread_mutex_lock(&c->mu);
     struct ukv_job *j;
-    while (k < max && (j = fifo_pop(list))) out[k++] = j;
+    int64_t now = now_ns();
+    while (k < max && (j = fifo_pop(list))) {
+        out[k++] = j;
+        if (j->kind == UKV_JOB_COPY) c->phases[6 * j->to_slot + 5] += now - j->done_ns;
+    }
     if (list->head) wake_loop(c, wake); /* more than max: the taker comes back for the rest */
     pthread_mutex_unlock(&c->mu);
     unsigned owned = 0;

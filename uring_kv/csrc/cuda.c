@@ -22,6 +22,7 @@ typedef int (*launch_fn)(uint64_t func, unsigned gx, unsigned gy, unsigned gz, u
 typedef int (*ctx_get_fn)(uint64_t *ctx);
 typedef int (*ctx_set_fn)(uint64_t ctx);
 typedef int (*stream_wait_fn)(void *stream, uint64_t event, unsigned flags);
+typedef int (*host_dev_ptr_fn)(uint64_t *dev, void *host, unsigned flags);
 enum { UKV_EVENT_BLOCKING_SYNC = 0x1, UKV_EVENT_DISABLE_TIMING = 0x2 };
 
 static event_create_fn p_event_create;
@@ -32,6 +33,7 @@ static ctx_get_fn p_ctx_get;
 static ctx_set_fn p_ctx_set;
 static stream_wait_fn p_stream_wait;
 static event_fn p_stream_sync; /* cuStreamSynchronize: CUstream is a pointer, passed as uint64_t */
+static host_dev_ptr_fn p_host_dev_ptr;
 static memcpy_htod_fn p_htod;
 static memcpy_dtoh_fn p_dtoh;
 static batch_v2_fn p_batch_v2;
@@ -56,6 +58,7 @@ int ukv_cuda_load(void) {
     p_ctx_set = (ctx_set_fn)dlsym(lib, "cuCtxSetCurrent");
     p_stream_sync = (event_fn)dlsym(lib, "cuStreamSynchronize");
     p_stream_wait = (stream_wait_fn)dlsym(lib, "cuStreamWaitEvent");
+    p_host_dev_ptr = (host_dev_ptr_fn)dlsym(lib, "cuMemHostGetDevicePointer_v2");
     int events = p_event_create && p_event_destroy && p_event_sync && p_event_query && p_event_record &&
                  p_ctx_get && p_ctx_set && p_stream_wait;
     return p_htod && p_dtoh && events ? 0 : -ENOSYS;
@@ -181,6 +184,16 @@ int ukv_cuda_event_sync(uint64_t ctx, uint64_t event) {
     return rc ? rc : p_event_sync(event);
 }
 
+/* The device's address of pinned host memory at `host` (registered or allocated by CUDA, mapped:
+ * cudaHostRegister's default on a 64-bit system), for kernels that read and write it over the bus. */
+int ukv_cuda_host_device_pointer(uint64_t ctx, uint64_t host, uint64_t *dev) {
+    if (!p_host_dev_ptr) return 999; /* CUDA_ERROR_UNKNOWN: the driver has no such call */
+    uint64_t prev;
+    int rc = borrow_ctx(ctx, &prev);
+    if (!rc) rc = p_host_dev_ptr(dev, (void *)(uintptr_t)host, 0);
+    return give_back_ctx(ctx, prev, rc);
+}
+
 /* 0: fired; 600 (CUDA_ERROR_NOT_READY): not yet; anything else: an error. */
 int ukv_cuda_event_query(uint64_t event) { return p_event_query(event); }
 
@@ -199,8 +212,10 @@ int ukv_cuda_copy_evented(struct ukv_cuda_path *path, uint64_t ctx, uint64_t don
 /* The staged path: one copy per block between the host slot and its device staging slot (the
  * whole block, all tensors), and one scatter/gather kernel that moves every tensor's piece between
  * the device staging slot and the cache tensors. 1 + 1/nblocks driver calls per block instead of
- * one per tensor. _cuda.py's kernel source takes UKV_STAGED_MAX (ukv.h) through cffi; its struct
- * UkvBlocks must match struct ukv_blocks. */
+ * one per tensor. With `used_bytes` 0 there is no device staging (the mapped path): `dev_slots`
+ * are the host slots' device addresses, and the kernel alone moves the pieces over the bus, one
+ * driver call per UKV_STAGED_MAX blocks. _cuda.py's kernel source takes UKV_STAGED_MAX (ukv.h)
+ * through cffi; its struct UkvBlocks must match struct ukv_blocks. */
 struct ukv_blocks { uint64_t staging[UKV_STAGED_MAX]; int64_t gpu[UKV_STAGED_MAX]; };
 
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
@@ -219,11 +234,11 @@ int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned n
         }
         int direction = to_slot;
         void *params[] = {&table, &b, &direction};
-        if (!to_slot)
+        if (!to_slot && used_bytes)
             for (unsigned i = 0; !rc && i < n; i++)
                 rc = p_htod(dev_slots[first + i], (const void *)(uintptr_t)slot_addrs[first + i], used_bytes, s);
         if (!rc) rc = p_launch(func, ntensors, n, 1, 256, 1, 1, 0, s, params, NULL);
-        if (to_slot)
+        if (to_slot && used_bytes)
             for (unsigned i = 0; !rc && i < n; i++)
                 rc = p_dtoh((void *)(uintptr_t)slot_addrs[first + i], dev_slots[first + i], used_bytes, s);
     }

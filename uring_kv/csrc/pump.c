@@ -36,7 +36,7 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
                               struct ukv_copier *copier, const uint64_t *dev_slots, unsigned copy_blocks) {
     size_t slots = max_slots ? max_slots : 1, blocks = nblocks ? nblocks : 1;
     size_t iovs = scatter && !write ? slots * ntensors : 0;
-    struct ukv_pump *p = calloc(1, sizeof *p + 2 * slots * sizeof(uint64_t) + iovs * sizeof(struct iovec) +
+    struct ukv_pump *p = calloc(1, sizeof *p + 3 * slots * sizeof(uint64_t) + iovs * sizeof(struct iovec) +
                                        slots * (2 * sizeof(int32_t) + 3 * sizeof(uint32_t) + 1) +
                                        blocks * (sizeof(uint32_t) + sizeof(int32_t)));
     if (!p) return NULL;
@@ -47,8 +47,9 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
     p->klass = write ? 2 : 0;
     p->slot_addr = (uint64_t *)(p + 1); /* the 8-byte arrays first, then the 4-byte ones */
     p->park_seq = p->slot_addr + slots;
-    p->slot_iov = iovs ? (struct iovec *)(p->park_seq + slots) : NULL;
-    p->slot_buf = (int32_t *)((char *)(p->park_seq + slots) + iovs * sizeof(struct iovec));
+    p->since = (int64_t *)(p->park_seq + slots);
+    p->slot_iov = iovs ? (struct iovec *)(p->since + slots) : NULL;
+    p->slot_buf = (int32_t *)((char *)(p->since + slots) + iovs * sizeof(struct iovec));
     p->slot_block = p->slot_buf + slots;
     p->released = (uint32_t *)(p->slot_block + slots);
     p->failed = p->released + slots;
@@ -210,6 +211,7 @@ static int pump_io(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     sqe->flags |= p->sqe_flags;
     io_uring_sqe_set_data64(sqe, UKV_PUMP_TAG | ((uint64_t)p->id << 32) | s);
     p->state[s] = SLOT_IO;
+    p->since[s] = now_ns();
     if (++r->io_inflight > r->io_peak) r->io_peak = r->io_inflight;
     return 0;
 }
@@ -224,6 +226,7 @@ static void pump_park(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
 
 static void pump_due_copy(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     p->state[s] = SLOT_COPY;
+    p->since[s] = now_ns();
     p->copy_q[p->ncopy++] = s;
     r->copies_due++;
 }
@@ -331,6 +334,8 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
     if (s >= p->max_slots || p->state[s] != SLOT_IO) return; /* not ours: never while Python keeps it attached */
     r->io_inflight--;
     r->io_done++;
+    r->io_timed++;
+    r->io_ns += now_ns() - p->since[s];
     if ((uint64_t)(int64_t)res != p->expect) {
         pump_failed(p, s, res < 0 ? -res : EIO);
     } else if (!p->write && !p->slot_iov) {
@@ -363,6 +368,8 @@ static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int q
 /* A copy job of the slot's block is over (rc: 0, or why it failed). */
 static void pump_copied(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int rc) {
     if (s >= p->max_slots || p->state[s] != SLOT_COPY) return;
+    r->copies_timed++;
+    r->copy_ns += now_ns() - p->since[s];
     if (!rc && p->write) {
         pump_write(r, p, s, 0);
         return;
@@ -467,6 +474,17 @@ uint64_t ukv_ring_copied_late(const struct ukv_ring *r) { return r->copied_late;
 
 /* Pump I/Os completed so far (their CQEs handled here). */
 uint64_t ukv_ring_pump_done(const struct ukv_ring *r) { return r->io_done; }
+
+/* Where the pumps' slots spent their time since the last reset: out[0] I/Os completed, [1] their ns
+ * from submission to completion summed; [2] copy jobs' blocks collected, [3] their ns from the copy
+ * falling due (the read done, or the store's block started) to the job's collection summed. */
+void ukv_ring_phases(struct ukv_ring *r, int reset, int64_t *out) {
+    pthread_mutex_lock(&r->mu);
+    out[0] = (int64_t)r->io_timed; out[1] = r->io_ns;
+    out[2] = (int64_t)r->copies_timed; out[3] = r->copy_ns;
+    if (reset) { r->io_timed = r->copies_timed = 0; r->io_ns = r->copy_ns = 0; }
+    pthread_mutex_unlock(&r->mu);
+}
 
 /* Pump I/Os in flight now; *peak: the most there ever were at once. */
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak) {

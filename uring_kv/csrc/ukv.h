@@ -104,6 +104,10 @@ struct ukv_ring {
     int32_t job_rc[UKV_JOB_FAILS], job_where[UKV_JOB_FAILS]; /* pump copy jobs that failed, for the loop */
     unsigned njob_fails;
     uint64_t wakeups, notifies; /* the thread's wake-ups, and the loop's */
+    /* Where pumps' slots spend their time (ukv_ring_phases): I/Os submitted -> completed, and
+     * copies due -> their job collected (copier pumps only), counts and ns summed. */
+    uint64_t io_timed, copies_timed;
+    int64_t io_ns, copy_ns;
 };
 
 int ukv_ring_open(unsigned entries, unsigned cq_entries, unsigned flags, struct ukv_ring **out);
@@ -171,6 +175,7 @@ struct ukv_pump {
     uint32_t *parked;          /* held slots waiting for I/O room, a ring buffer from park_head */
     unsigned park_head, nparked;
     uint64_t *park_seq;        /* of each parked slot: the ring's park_clock when it parked */
+    int64_t *since;            /* of each slot: when its I/O was submitted or its copy fell due (ns) */
     unsigned parked_empty;     /* of those, slots with no block yet (a load's next read) */
 };
 
@@ -190,6 +195,7 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
                        const uint64_t *addrs, const int32_t *bufs);
 void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap);
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
+void ukv_ring_phases(struct ukv_ring *r, int reset, int64_t *out);
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
 uint64_t ukv_ring_pump_done(const struct ukv_ring *r);
 int ukv_reap_pumped(struct ukv_ring *r, uint64_t *user_data, int32_t *res, unsigned max, int32_t *touched,
@@ -244,6 +250,7 @@ struct ukv_job {
     struct ukv_job *next;
     uint64_t token, event;
     int64_t done_ns;
+    int64_t queued_ns, start_ns, enqueued_ns; /* put; taken by its submit thread; its copies enqueued */
     int32_t kind, to_slot, rc, where;
     unsigned n;
     uint64_t *slot_addrs, *dev_slots;
@@ -268,6 +275,12 @@ int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, 
 unsigned ukv_copier_done(struct ukv_copier *c, unsigned max, uint64_t *tokens, int32_t *rcs, int32_t *wheres,
                          int64_t *done_ns);
 unsigned ukv_copier_owned_jobs(struct ukv_copier *c);
+/* The copy jobs' phases since the last reset, per direction d (0: to the caches, 1: to the slots),
+ * out[6 d + i]: i = 0 jobs, 1 blocks, then ns summed: 2 queued -> taken by the submit thread,
+ * 3 enqueueing (driver calls, or the memcpys in host mode), 4 enqueued -> seen done (the GPU and
+ * the bridge), 5 done -> taken by the loop or the ring thread. */
+#define UKV_PHASES 12
+void ukv_copier_phases(struct ukv_copier *c, int reset, int64_t *out);
 void ukv_copier_free(struct ukv_copier *c);
 
 /* The pumps' side of the copier (pump.c calls these, the copier calls nothing of pump.c): an owned
@@ -304,6 +317,7 @@ int ukv_cuda_event_free(uint64_t ctx, uint64_t event);
 int ukv_cuda_order_after(uint64_t ctx, uint64_t caller, uint64_t event, const uint64_t *streams, unsigned nstreams);
 int ukv_cuda_event_sync(uint64_t ctx, uint64_t event);
 int ukv_cuda_event_query(uint64_t event);
+int ukv_cuda_host_device_pointer(uint64_t ctx, uint64_t host, uint64_t *dev);
 int ukv_cuda_copy_staged(uint64_t ctx, uint64_t func, uint64_t table, unsigned ntensors, uint64_t used_bytes,
                          int to_slot, unsigned nblocks, const uint64_t *slot_addrs, const uint64_t *dev_slots,
                          const int64_t *gpu_blocks, uint64_t stream, uint64_t done_event);
