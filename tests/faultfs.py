@@ -44,6 +44,7 @@ class FaultState:
         self.syncs = 0  # fsync requests served
         self.sync_delay = 0.0  # seconds each fsync takes (a disk's cache flush), before it makes anything durable
         self.cut: Any = None  # set by the filesystem: rebuilds the files as after a power loss
+        self.reads: list[int] = []  # the offset of every read request, in the order they arrived
 
     def freeze(self) -> None:
         """From now on every write, truncation, creation and sync fails with EIO."""
@@ -191,6 +192,8 @@ def _operations(state: FaultState) -> Any:
             return 0
 
         def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
+            with state._mutex:
+                state.reads.append(offset)
             state.pause(state.slow_reads, offset, size, state.once_reads)
             if state.hits(state.bad_reads, offset, size):
                 raise mfusepy.FuseOSError(errno.EIO)

@@ -1,5 +1,6 @@
-"""The I/O classes at the ring's backlog (ops beyond the depth, from Python pumps): a demand load's
-read goes ahead of the prefetches' reads queued before it."""
+"""The I/O classes where I/Os wait for room under the depth: a demand load's read goes ahead of the
+prefetches' reads waiting before it, at the ring's backlog (ops of Python pumps) and among the
+native pumps' parked slots (in C)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,38 @@ async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_rea
         assert [identify(caches, 16 + b) for b in range(8)] == [(b, 1, True) for b in range(8)]
         assert identify(caches, 12) == (12, 1, True)
     assert any(jumped), "no demand read was ever submitted ahead of a prefetch read queued before it"
+
+
+@pytest.mark.parametrize("demand", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="the control: a second prefetch waits its turn behind the parked slots"))])
+async def test_a_demand_pumps_parked_slot_takes_the_room_before_prefetch_slots_parked_first(
+        fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, demand: bool) -> None:
+    """Depth 1, native pumps, slow reads of the prefetched blocks: the prefetch's pump holds four
+    slots, one reading and three parked for room. A demand load called meanwhile parks its slot
+    after them; when the read in flight ends, the room goes to the demand pump's slot (class
+    first, then the order they parked), so its block is read second. Called as a prefetch, the
+    same load waits behind the three (the control: the read order itself tells the classes apart)."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=24)
+    async with make_engine(caches, 16, num_slots=8, io_depth=1, path=mountpoint / "kv.bin") as engine:
+        await store_identity(engine, caches, 16)
+        stride = engine.file.stride
+        state.slow_down(0, 4 * stride, 0.05, writes=False)
+        state.reads.clear()
+        async with task_group() as tasks:
+            prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
+            prefetch = tasks.spawn(prefetching, list(range(4)), list(range(16, 20)))
+            for _ in range(1000):  # until its first read reached the filesystem (the others parked)
+                if state.reads:
+                    break
+                await anyio.sleep(0.001)
+            assert state.reads, "the prefetch's first read never came"
+            await engine.load_batch([12], [12], prefetch=None if demand else Prefetch())
+            await prefetch.join()
+        state.clear()
+        assert engine.stats()["pumped_batches"] >= 3, "the batches did not run in native pumps"
+        order = list(dict.fromkeys(offset // stride for offset in state.reads))
+        assert sorted(order) == [0, 1, 2, 3, 12]
+        assert [identify(caches, 16 + b) for b in range(4)] == [(b, 1, True) for b in range(4)]
+        assert identify(caches, 12) == (12, 1, True)
+    assert order.index(12) == 1, f"read order by block: {order}"
