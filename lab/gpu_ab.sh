@@ -7,7 +7,7 @@
 #
 #   lab/gpu_ab.sh TEST_SECONDS "A_ENV" "B_ENV" ROUNDS [bench options...]
 #
-# e.g. lab/gpu_ab.sh 150 URING_KV_DEBUG_CUDA_MAPPED=0 URING_KV_DEBUG_CUDA_MAPPED=1 2 --threads 16
+# e.g. lab/gpu_ab.sh 150 URING_KV_CUDA_MAPPED=0 URING_KV_CUDA_MAPPED=1 2 --threads 16
 set -uo pipefail
 [ $# -ge 4 ] || { sed -n 2,10p "$0"; exit 2; }
 out=${OUT:-/tmp/out}

@@ -54,7 +54,7 @@ async def test_32_bf16_layers_round_trip_byte_exact(tmp_path: Path, io: str, pat
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     staged, mapped, batch, description = COPY_PATHS[path]
     monkeypatch.setenv("URING_KV_DEBUG_CUDA_STAGED", staged)
-    monkeypatch.setenv("URING_KV_DEBUG_CUDA_MAPPED", mapped)
+    monkeypatch.setenv("URING_KV_CUDA_MAPPED", mapped)
     monkeypatch.setenv("URING_KV_DEBUG_CUDA_BATCH", batch)
     caches = bf16_layers()
     async with Engine(caches, tmp_path / "kv.bin", 256, num_slots=16, io=io) as engine:
@@ -252,7 +252,7 @@ async def test_a_slowed_gpu_never_hands_a_slot_on_before_its_copy(tmp_path: Path
     import time
 
     monkeypatch.setenv("URING_KV_DEBUG_NATIVE_COPIER", "0" if copier == "python" else "1")
-    monkeypatch.setenv("URING_KV_DEBUG_CUDA_MAPPED", "1" if copier == "native-mapped" else "0")
+    monkeypatch.setenv("URING_KV_CUDA_MAPPED", "1" if copier == "native-mapped" else "0")
     if protection == "removed":
         release_on_submit(monkeypatch)
     caches = id_caches("cuda", blocks=8)

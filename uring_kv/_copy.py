@@ -310,12 +310,13 @@ class CudaCopier(_NativeUser):
     The path, from the engine's plan: ``staging`` (the staged path's device side, see
     :func:`staged_path`; None: per piece, ``staging_error`` saying why where it was asked for),
     per-piece copies through cuMemcpyBatchAsync when ``batch``; ``native``: staged copies on the
-    native copier (``collect``: see :class:`HostCopier`); ``lanes`` per direction (one with the
-    native copier: its thread uses the first lane's stream).
+    native copier (``collect``: see :class:`HostCopier`; ``bridge_poll_us``: how long its bridge
+    polls an event before it sleeps on it); ``lanes`` per direction (one with the native copier:
+    its thread uses the first lane's stream).
     """
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, *, staging: Staging | None, lanes: int,
-                 native: bool, batch: bool, staging_error: str = "", delay: float = 0.0,
+                 native: bool, batch: bool, staging_error: str = "", delay: float = 0.0, bridge_poll_us: int = 0,
                  collect: Collect | None = None) -> None:
         if not _cuda.load_cuda_driver():
             raise RuntimeError("uring_kv: cannot load the CUDA driver (libcuda.so.1 with cuMemcpyAsync and events)")
@@ -361,6 +362,7 @@ class CudaCopier(_NativeUser):
             jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
                                      self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream),
                             self._delay_cycles, spin)
+            jobs.bridge_poll(bridge_poll_us * 1000)
             self._link = NativeLink(jobs, bridge, collect)
             return
         for lane in self._all_lanes():

@@ -218,6 +218,7 @@ class Engine(OpenClose):
         if self.gpu:
             self.copier = CudaCopier(blocks, self.bridge, self.device, staging=staging, staging_error=staged_error,
                                      lanes=plan.copy_lanes, native=plan.native_copier, batch=plan.copy_batch,
+                                     bridge_poll_us=plan.bridge_poll_us,
                                      delay=self._copy_delay, collect=collect)
         else:
             self.copier = HostCopier(blocks, self.bridge, inline_blocks=plan.inline_copy_blocks,

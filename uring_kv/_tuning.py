@@ -62,6 +62,8 @@ class Tuning:
     copy_lanes: int = 0  # GPU mode, Python submit threads per direction (0: 1 staged, else 2)
     reserve_space: bool = False  # allocate the whole block file at open (fallocate), not as blocks are written
     ring_thread: str = "auto"  # io_uring: a C thread moves the native pumps ('on', 'off', 'auto': RING_THREAD_CPUS+)
+    cuda_mapped: bool = True  # the kernel copy path reads and writes the pinned host slots (False: device staging)
+    bridge_poll_us: int = 0  # CUDA, native copier: µs the bridge polls an event before sleeping on it
     # ---- diagnostics (URING_KV_DEBUG_<NAME>)
     sqe_async: bool | None = None  # force IOSQE_ASYNC on (True) or off (False) for every SQE
     pumps: bool = True  # False: every batch runs in the Python pump, none in native ones
@@ -69,7 +71,6 @@ class Tuning:
     native_copier: bool = True  # False: the Python copy threads and bridge
     cuda_staged: bool = True  # False: no device staging + scatter kernel
     cuda_batch: bool = True  # False: no cuMemcpyBatchAsync (one driver call per piece)
-    cuda_mapped: bool = False  # True: the kernel reads and writes the pinned host slots (no device staging)
     start_hop: bool = True  # False: a batch does not yield the loop between its set-up and first I/O
     huge_pages: bool = True  # False: no MADV_HUGEPAGE on the staging slots (see _memory.HostBuffer)
 
@@ -79,7 +80,7 @@ class Tuning:
         if self.ring_thread not in RING_THREAD_MODES:
             raise ValueError(f"Tuning.ring_thread must be 'auto', 'on' or 'off', got {self.ring_thread!r}")
         for name in ("completions_per_callback", "reap_budget_us", "iowq_workers", "host_inline_bytes",
-                     "copy_lanes"):
+                     "copy_lanes", "bridge_poll_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Tuning.{name} must be an integer >= 0, got {value!r}")
@@ -110,13 +111,14 @@ class Tuning:
             copy_lanes=_count(env, "URING_KV_COPY_LANES", d.copy_lanes),
             reserve_space=bool(_switch(env, "URING_KV_RESERVE_SPACE", d.reserve_space)),
             ring_thread=ring_thread,
+            cuda_mapped=bool(_switch(env, "URING_KV_CUDA_MAPPED", d.cuda_mapped)),
+            bridge_poll_us=_count(env, "URING_KV_BRIDGE_POLL_US", d.bridge_poll_us, "a number of µs"),
             sqe_async=_switch(env, "URING_KV_DEBUG_SQE_ASYNC", d.sqe_async),
             pumps=on("PUMP", d.pumps),
             pump_scatter=on("PUMP_SCATTER", d.pump_scatter),
             native_copier=on("NATIVE_COPIER", d.native_copier),
             cuda_staged=on("CUDA_STAGED", d.cuda_staged),
             cuda_batch=on("CUDA_BATCH", d.cuda_batch),
-            cuda_mapped=on("CUDA_MAPPED", d.cuda_mapped),
             start_hop=on("START_HOP", d.start_hop),
             huge_pages=on("HUGE_PAGES", d.huge_pages),
         )

@@ -54,6 +54,7 @@ struct ukv_copier {
     unsigned nevents, events_cap;
     unsigned owned_jobs;         /* owned jobs queued and not yet taken (atomic: put and taken by two threads) */
     int64_t phases[UKV_PHASES];  /* ukv_copier_phases, under the mutex */
+    int64_t poll_ns;             /* CUDA: how long the bridge polls an event before it sleeps on it */
     uint64_t ctx, func, table, used_bytes, streams[2];
     unsigned ntensors;
     uint64_t *bases, *block_bytes, *slot_offsets; /* point into tables[] */
@@ -181,8 +182,14 @@ static void *bridge_main(void *arg) {
         while (!c->pending.head && !c->stop_bridge) pthread_cond_wait(&c->bridge_cv, &c->mu);
         struct ukv_job *head = c->pending.head;
         if (!head) break;
+        int64_t poll = c->poll_ns;
         pthread_mutex_unlock(&c->mu);
-        int wait_rc = rc ? rc : ukv_cuda_event_wait(head->event); /* only this thread removes from pending */
+        int wait_rc = rc; /* only this thread removes from pending */
+        if (!rc) { /* polled first (no wake-up to wait for once it fires), then slept on */
+            int64_t until = poll > 0 ? now_ns() + poll : 0;
+            do wait_rc = ukv_cuda_event_query(head->event); while (wait_rc == 600 && until && now_ns() < until);
+            if (wait_rc == 600) wait_rc = ukv_cuda_event_wait(head->event);
+        }
         pthread_mutex_lock(&c->mu);
         fifo_pop(&c->pending);
         if (wait_rc) { head->rc = wait_rc; head->where = UKV_FAIL_WAIT; }
@@ -267,6 +274,14 @@ int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uin
 }
 
 int ukv_copier_fd(struct ukv_copier *c) { return c->efd; }
+
+/* CUDA: the bridge asks the oldest event whether it fired for up to `ns` before it sleeps in the
+ * driver until it does (a BLOCKING_SYNC wait returns tens of µs after the event on a VM). */
+void ukv_copier_bridge_poll(struct ukv_copier *c, int64_t ns) {
+    pthread_mutex_lock(&c->mu);
+    c->poll_ns = ns;
+    pthread_mutex_unlock(&c->mu);
+}
 
 /* Fault injection for tests: the next copy job is done as usual, then reported failed with `rc`. */
 void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where) {
