@@ -148,11 +148,12 @@ class HostCopier(_NativeUser):
     much takes less than handing it to a thread and back); the others on one worker thread, in
     submission order, after ``delay`` seconds. Either way ``on_done`` runs later, on the loop.
     ``native``: the worker is the native copier's C thread, whose completions reach the loop
-    through its eventfd, instead of a Python thread and the bridge; ``collect`` takes its finished
-    jobs where native pumps queue jobs there too (see :class:`NativeLink`)."""
+    through its eventfd, instead of a Python thread and the bridge (``poll_us``: how long it polls
+    for its next job before it sleeps); ``collect`` takes its finished jobs where native pumps
+    queue jobs there too (see :class:`NativeLink`)."""
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, *, inline_blocks: int, native: bool, delay: float = 0.0,
-                 collect: Collect | None = None) -> None:
+                 collect: Collect | None = None, poll_us: int = 0) -> None:
         if inline_blocks < 0:
             raise ValueError(f"inline_blocks must be >= 0, got {inline_blocks}")
         self._blocks = blocks
@@ -164,7 +165,9 @@ class HostCopier(_NativeUser):
         self._in_thread = {False: 0, True: 0}  # copies handed to the native thread, not yet back
         self._thread: threading.Thread | None = None
         if native:
-            self._link = NativeLink(CopyJobs(blocks, None, int(delay * 1e9)), bridge, collect)
+            jobs = CopyJobs(blocks, None, int(delay * 1e9))
+            jobs.poll(poll_us * 1000)
+            self._link = NativeLink(jobs, bridge, collect)
         else:
             self._thread = threading.Thread(target=self._run, name="uring-kv-host-copier", daemon=True)
             self._thread.start()
@@ -310,13 +313,13 @@ class CudaCopier(_NativeUser):
     The path, from the engine's plan: ``staging`` (the staged path's device side, see
     :func:`staged_path`; None: per piece, ``staging_error`` saying why where it was asked for),
     per-piece copies through cuMemcpyBatchAsync when ``batch``; ``native``: staged copies on the
-    native copier (``collect``: see :class:`HostCopier`; ``bridge_poll_us``: how long its bridge
-    polls an event before it sleeps on it); ``lanes`` per direction (one with the native copier:
+    native copier (``collect``: see :class:`HostCopier`; ``copier_poll_us``: how long its threads
+    poll for work before they sleep); ``lanes`` per direction (one with the native copier:
     its thread uses the first lane's stream).
     """
 
     def __init__(self, blocks: BlockCopier, bridge: Bridge, device: Any, *, staging: Staging | None, lanes: int,
-                 native: bool, batch: bool, staging_error: str = "", delay: float = 0.0, bridge_poll_us: int = 0,
+                 native: bool, batch: bool, staging_error: str = "", delay: float = 0.0, copier_poll_us: int = 0,
                  collect: Collect | None = None) -> None:
         if not _cuda.load_cuda_driver():
             raise RuntimeError("uring_kv: cannot load the CUDA driver (libcuda.so.1 with cuMemcpyAsync and events)")
@@ -362,7 +365,7 @@ class CudaCopier(_NativeUser):
             jobs = CopyJobs(blocks, (self._ctx, staging_.func, staging_.table, staging_.used_bytes,
                                      self._lanes[False][0].stream.cuda_stream, self._lanes[True][0].stream.cuda_stream),
                             self._delay_cycles, spin)
-            jobs.bridge_poll(bridge_poll_us * 1000)
+            jobs.poll(copier_poll_us * 1000)
             self._link = NativeLink(jobs, bridge, collect)
             return
         for lane in self._all_lanes():

@@ -218,11 +218,12 @@ class Engine(OpenClose):
         if self.gpu:
             self.copier = CudaCopier(blocks, self.bridge, self.device, staging=staging, staging_error=staged_error,
                                      lanes=plan.copy_lanes, native=plan.native_copier, batch=plan.copy_batch,
-                                     bridge_poll_us=plan.bridge_poll_us,
+                                     copier_poll_us=plan.copier_poll_us,
                                      delay=self._copy_delay, collect=collect)
         else:
             self.copier = HostCopier(blocks, self.bridge, inline_blocks=plan.inline_copy_blocks,
-                                     native=plan.native_copier, delay=self._copy_delay, collect=collect)
+                                     native=plan.native_copier, delay=self._copy_delay, collect=collect,
+                                     poll_us=plan.copier_poll_us)
         native = self._native_pumps(plan, uring, blocks) if uring is not None and plan.pumps else None
         if native is not None and uring is not None and uring.ring_thread and plan.pump_copies == "jobs":
             link = self.copier.link

@@ -598,9 +598,10 @@ class CopyJobs:
         if rc:
             raise OSError(-rc, f"queueing {what}: {os.strerror(-rc)}")
 
-    def bridge_poll(self, ns: int) -> None:
-        """CUDA: the bridge polls the oldest event for up to ``ns`` before it sleeps on it."""
-        _lib.ukv_copier_bridge_poll(self.handle, ns)
+    def poll(self, ns: int) -> None:
+        """Its threads poll for up to ``ns`` before they sleep: a submit thread for its next job,
+        the bridge (CUDA) for the oldest event to fire."""
+        _lib.ukv_copier_poll(self.handle, ns)
 
     def fail_next(self, rc: int, where: int) -> None:
         """Fault injection (tests): the next copy job runs, then is reported failed with ``rc``."""

@@ -56,7 +56,7 @@ class Plan:
     native_copier: bool  # copies off the loop run on the native copier's C threads, not Python threads
     copy_lanes: int  # CUDA: submit streams (and Python threads, without the native copier) per direction
     copy_batch: bool  # CUDA per piece: all of a call's pieces in one cuMemcpyBatchAsync where the driver has it
-    bridge_poll_us: int  # CUDA, native copier: µs its bridge polls an event before it sleeps in the driver
+    copier_poll_us: int  # native copier: µs its threads poll for their next job (the bridge: event) before sleeping
     inline_copy_blocks: int  # CPU mode: copy calls of up to this many blocks run on the loop (0: none)
     copy_call_blocks: int  # blocks per copy call (one kernel launch staged; COPY_CALL_PIECES pieces otherwise)
     pumps: bool  # batches run in native pumps (C, no Python per block) where they can; else the Python pump
@@ -114,7 +114,7 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
         native_copier=native_copier,
         copy_lanes=lanes,
         copy_batch=tuning.cuda_batch and g.gpu and not staged,
-        bridge_poll_us=tuning.bridge_poll_us if g.gpu and native_copier else 0,
+        copier_poll_us=tuning.copier_poll_us if native_copier else 0,
         inline_copy_blocks=inline_blocks,
         copy_call_blocks=call_blocks,
         pumps=pumps,

@@ -63,7 +63,7 @@ class Tuning:
     reserve_space: bool = False  # allocate the whole block file at open (fallocate), not as blocks are written
     ring_thread: str = "auto"  # io_uring: a C thread moves the native pumps ('on', 'off', 'auto': RING_THREAD_CPUS+)
     cuda_mapped: bool = True  # the kernel copy path reads and writes the pinned host slots (False: device staging)
-    bridge_poll_us: int = 0  # CUDA, native copier: µs the bridge polls an event before sleeping on it
+    copier_poll_us: int = 0  # native copier: µs its threads poll for their next job or event before sleeping
     # ---- diagnostics (URING_KV_DEBUG_<NAME>)
     sqe_async: bool | None = None  # force IOSQE_ASYNC on (True) or off (False) for every SQE
     pumps: bool = True  # False: every batch runs in the Python pump, none in native ones
@@ -80,7 +80,7 @@ class Tuning:
         if self.ring_thread not in RING_THREAD_MODES:
             raise ValueError(f"Tuning.ring_thread must be 'auto', 'on' or 'off', got {self.ring_thread!r}")
         for name in ("completions_per_callback", "reap_budget_us", "iowq_workers", "host_inline_bytes",
-                     "copy_lanes", "bridge_poll_us"):
+                     "copy_lanes", "copier_poll_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"Tuning.{name} must be an integer >= 0, got {value!r}")
@@ -112,7 +112,7 @@ class Tuning:
             reserve_space=bool(_switch(env, "URING_KV_RESERVE_SPACE", d.reserve_space)),
             ring_thread=ring_thread,
             cuda_mapped=bool(_switch(env, "URING_KV_CUDA_MAPPED", d.cuda_mapped)),
-            bridge_poll_us=_count(env, "URING_KV_BRIDGE_POLL_US", d.bridge_poll_us, "a number of µs"),
+            copier_poll_us=_count(env, "URING_KV_COPIER_POLL_US", d.copier_poll_us, "a number of µs"),
             sqe_async=_switch(env, "URING_KV_DEBUG_SQE_ASYNC", d.sqe_async),
             pumps=on("PUMP", d.pumps),
             pump_scatter=on("PUMP_SCATTER", d.pump_scatter),

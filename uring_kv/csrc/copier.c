@@ -54,7 +54,7 @@ struct ukv_copier {
     unsigned nevents, events_cap;
     unsigned owned_jobs;         /* owned jobs queued and not yet taken (atomic: put and taken by two threads) */
     int64_t phases[UKV_PHASES];  /* ukv_copier_phases, under the mutex */
-    int64_t poll_ns;             /* CUDA: how long the bridge polls an event before it sleeps on it */
+    int64_t poll_ns;             /* how long a thread polls for its next job (or event) before it sleeps */
     uint64_t ctx, func, table, used_bytes, streams[2];
     unsigned ntensors;
     uint64_t *bases, *block_bytes, *slot_offsets; /* point into tables[] */
@@ -136,6 +136,14 @@ static void *submit_main(void *arg) {
     pthread_mutex_lock(&c->mu);
     for (;;) {
         struct ukv_job *j;
+        if (!c->work[lane->to_slot].head && !c->stop_submit && c->poll_ns > 0) {
+            /* Poll for the next job a while before sleeping: a cond wake-up costs tens of µs. */
+            int64_t until = now_ns() + c->poll_ns;
+            pthread_mutex_unlock(&c->mu);
+            while (!__atomic_load_n(&c->work[lane->to_slot].head, __ATOMIC_ACQUIRE) &&
+                   !__atomic_load_n(&c->stop_submit, __ATOMIC_ACQUIRE) && now_ns() < until) {}
+            pthread_mutex_lock(&c->mu);
+        }
         while (!(j = fifo_pop(&c->work[lane->to_slot])) && !c->stop_submit)
             pthread_cond_wait(&c->work_cv[lane->to_slot], &c->mu);
         if (!j) break;
@@ -275,9 +283,10 @@ int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uin
 
 int ukv_copier_fd(struct ukv_copier *c) { return c->efd; }
 
-/* CUDA: the bridge asks the oldest event whether it fired for up to `ns` before it sleeps in the
- * driver until it does (a BLOCKING_SYNC wait returns tens of µs after the event on a VM). */
-void ukv_copier_bridge_poll(struct ukv_copier *c, int64_t ns) {
+/* The copier's threads poll for up to `ns` before they sleep: a submit thread with an empty queue
+ * for its next job, the bridge (CUDA) for the oldest event to fire before it sleeps in the driver
+ * until it does (a BLOCKING_SYNC wait returns tens of µs after the event on a VM). */
+void ukv_copier_poll(struct ukv_copier *c, int64_t ns) {
     pthread_mutex_lock(&c->mu);
     c->poll_ns = ns;
     pthread_mutex_unlock(&c->mu);

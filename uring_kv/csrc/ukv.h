@@ -269,7 +269,7 @@ int ukv_copier_new(int cuda, unsigned ntensors, const uint64_t *bases, const uin
                    struct ukv_copier **out);
 int ukv_copier_fd(struct ukv_copier *c);
 void ukv_copier_fail_next(struct ukv_copier *c, int32_t rc, int32_t where);
-void ukv_copier_bridge_poll(struct ukv_copier *c, int64_t ns);
+void ukv_copier_poll(struct ukv_copier *c, int64_t ns);
 int ukv_copier_put(struct ukv_copier *c, uint64_t token, int kind, int to_slot, unsigned n,
                    const uint64_t *slot_addrs, const uint64_t *dev_slots, const int64_t *gpu_blocks,
                    uint64_t event);
