@@ -230,7 +230,7 @@ async def test_the_staged_kernel_is_compiled_off_the_loop(tmp_path: Path, monkey
     monkeypatch.setattr(torch.cuda, "_compile_kernel", recording_compile)
     caches = bf16_layers(layers=2, blocks=4)
     async with Engine(caches, tmp_path / "kv.bin", 4, num_slots=2) as engine:
-        assert engine.stats()["copy"].startswith("staged")
+        assert engine.stats()["plan"]["copier"] == "mapped"  # the kernel path (its default form)
         await engine.store_batch([0], [1])
         await engine.load_batch([1], [2])
         torch.cuda.synchronize()
@@ -277,15 +277,18 @@ extern "C" __global__ void ukv_test_hog(int cycles) {
 """
 
 
-async def test_a_load_returns_only_after_its_copies_ran_on_a_busy_gpu(tmp_path: Path) -> None:
-    """Every SM held by another stream's kernel (~0.2 s): the staged path's scatter kernel waits for
-    a free SM, while the host-to-device copy before it does not (a copy engine moves it). A load
-    must not return before the scatter ran: its copy event is recorded after the copies. Read
+@pytest.mark.parametrize("form", ["staged", "mapped"])
+async def test_a_load_returns_only_after_its_copies_ran_on_a_busy_gpu(tmp_path: Path, form: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SM held by another stream's kernel (~0.2 s): the kernel path's scatter kernel waits for
+    a free SM, while the staged form's host-to-device copy before it does not (a copy engine moves
+    it). A load must not return before the scatter ran: its copy event is recorded after. Read
     right after the load by a device-to-host copy (no SM needed either), the block must hold the
     loaded bytes; an event recorded before the copies would return the load with zeros there."""
+    monkeypatch.setenv("URING_KV_CUDA_MAPPED", "1" if form == "mapped" else "0")
     caches = bf16_layers(layers=4, blocks=8)
     async with Engine(caches, tmp_path / "kv.bin", 8, num_slots=4) as engine:
-        assert engine.stats()["copy"].startswith("staged")
+        assert engine.stats()["plan"]["copier"] == form
         for t in caches.values():
             t[1].fill_(3.0)
         await engine.store_batch([1], [2])

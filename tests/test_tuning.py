@@ -24,7 +24,8 @@ def test_from_env_reads_settings_and_diagnostics() -> None:
 
 
 @pytest.mark.parametrize(("name", "value"), [("URING_KV_IO", "fast"), ("URING_KV_REAP_BUDGET_US", "-1"),
-                                             ("URING_KV_DEBUG_PUMP", "off"), ("URING_KV_HOST_INLINE_BYTES", "1k")])
+                                             ("URING_KV_DEBUG_PUMP", "off"), ("URING_KV_HOST_INLINE_BYTES", "1k"),
+                                             ("URING_KV_COPIER_POLL_US", "on"), ("URING_KV_CUDA_MAPPED", "yes")])
 def test_a_malformed_variable_is_named(name: str, value: str) -> None:
     with pytest.raises(ValueError, match=name):
         Tuning.from_env({name: value})
@@ -45,6 +46,17 @@ def test_sqe_flags_policy() -> None:
     forced = dataclasses.replace(tuning, sqe_async=False)
     assert forced.sqe_flags(gpu=True, direct=True, num_slots=16, stride=128 << 10) == (False, False)
     assert not dataclasses.replace(tuning, sqe_async=True).pump_inline(4, 4096)
+
+
+def test_copier_poll_policy() -> None:
+    """auto: the threads poll where the process has 8 CPUs or more, sleep at once on fewer; a number
+    (the environment's too) wins either way."""
+    assert Tuning().copier_poll(cpus=16) == 200 and Tuning().copier_poll(cpus=2) == 0
+    assert Tuning(copier_poll_us=0).copier_poll(cpus=16) == 0
+    assert Tuning.from_env({"URING_KV_COPIER_POLL_US": "50"}).copier_poll(cpus=2) == 50
+    assert Tuning.from_env({"URING_KV_COPIER_POLL_US": "auto"}) == Tuning()
+    with pytest.raises(ValueError, match="copier_poll_us"):
+        Tuning(copier_poll_us=-5)
 
 
 def test_staging_slots_policy() -> None:

@@ -114,7 +114,7 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
         native_copier=native_copier,
         copy_lanes=lanes,
         copy_batch=tuning.cuda_batch and g.gpu and not staged,
-        copier_poll_us=tuning.copier_poll_us if native_copier else 0,
+        copier_poll_us=tuning.copier_poll() if native_copier else 0,
         inline_copy_blocks=inline_blocks,
         copy_call_blocks=call_blocks,
         pumps=pumps,
