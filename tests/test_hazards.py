@@ -27,8 +27,9 @@ SLOW = 0.3  # seconds the slowed request sleeps before it touches the bytes
 
 # (io mode, environment): the ways a CPU-mode batch can be driven
 DRIVERS = {
-    "pump-scatter": ("uring", {}),  # native pump, loads read straight into the caches
-    "pump-slots": ("uring", {"URING_KV_DEBUG_PUMP_SCATTER": "0"}),  # pump, loads read into slots, memcpy'd
+    "pump-scatter": ("uring", {}),  # native pump, loads read into (stores write from) the caches straight
+    # pump, through the slots: loads read into them and memcpy'd, stores memcpy'd into them first
+    "pump-slots": ("uring", {"URING_KV_DEBUG_PUMP_SCATTER": "0", "URING_KV_DEBUG_PUMP_GATHER": "0"}),
     "pump-copier": ("uring", {"URING_KV_HOST_INLINE_BYTES": "0"}),  # pump, copies on the copier thread
     "per-block": ("uring", {"URING_KV_DEBUG_PUMP": "0"}),  # io_uring, the Python pump: a handler per block
     "threads": ("threads", {}),

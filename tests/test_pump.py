@@ -502,8 +502,9 @@ async def test_an_op_waiting_behind_a_pump_goes_when_its_copy_jobs_hand_slots_ba
 @pytest.mark.parametrize("aligned", [True, False])
 async def test_o_direct_loads_read_straight_into_page_aligned_caches(tmp_path: Path, aligned: bool) -> None:
     """CPU mode with O_DIRECT: rows of page-aligned memory whose size is a multiple of the file's
-    alignment (vLLM's and SGLang's host pools) are read straight into, one readv per block; rows
-    that are not go through the slots. Both move the exact bytes, many batches over few slots."""
+    alignment (vLLM's and SGLang's host pools) are read straight into, and written straight from,
+    one readv or writev per block; rows that are not go through the slots. Both move the exact
+    bytes, many batches over few slots, and the file holds each stored row at its block."""
     import mmap
 
     import numpy as np
@@ -517,11 +518,19 @@ async def test_o_direct_loads_read_straight_into_page_aligned_caches(tmp_path: P
         async with Engine(caches, tmp_path / "kv.bin", 64, 4) as engine:
             if not engine.file.direct:
                 pytest.skip(f"no O_DIRECT here: {engine.file.reason}")
-            assert engine.stats()["loads_into_caches"] is aligned
+            assert engine.stats()["loads_into_caches"] is engine.stats()["stores_from_caches"] is aligned
             for first in range(0, 64, rows):
                 chosen = list(range(first, min(first + rows, 64)))
                 caches["rows"][:len(chosen)] = source[chosen]
                 await engine.store_batch(list(range(len(chosen))), chosen)
+            stride = engine.stats()["stride"]
+            buffered = os.open(f"/proc/self/fd/{engine.fileno()}", os.O_RDONLY)  # (the engine's fd is O_DIRECT)
+            try:
+                for d in (0, 23, 63):
+                    assert os.pread(buffered, row, d * stride) == source[d].numpy().tobytes(), f"disk block {d}"
+            finally:
+                os.close(buffered)
+
             for _ in range(10):
                 disk = rng.sample(range(64), rows)
                 caches["rows"].zero_()

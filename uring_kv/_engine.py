@@ -250,7 +250,7 @@ class Engine(OpenClose):
             dev_slots = self.copier.pump_dev_slots([lease.addr for lease in self.pool.leases])
             copies = PumpCopies(link.jobs, plan.copy_call_blocks, dev_slots)
         return uring.pumps(self.file.fd, self.file.stride, blocks, self.pool.waiting, self.num_slots,
-                           plan.pump_inline, plan.into_rows, copies)
+                           plan.pump_inline, (plan.into_rows, plan.from_rows), copies)
 
     def _release(self) -> None:
         """Free whatever open() set up, last part first, each part even if an earlier one failed
@@ -552,7 +552,8 @@ class Engine(OpenClose):
         native pumps, and what the engine chose here: I/O path, copy path, O_DIRECT, how the file is
         kept unnamed, fixed buffers, pinned bytes, whether the slots were advised onto huge pages
         (``huge_pages``), event loop, and whether pumped loads read straight
-        into the caches (``loads_into_caches``: CPU mode, buffered or with every piece aligned), the
+        into the caches and pumped stores write straight from them (``loads_into_caches``,
+        ``stores_from_caches``: CPU mode, buffered or with every piece aligned), the
         :class:`Tuning` in force (``tuning``, a dict) and the plan made from it at ``open()``
         (``plan``, a dict: every choice of the data path, see ``docs/design.md``). ``direct_reason``:
         why the file is buffered ('' under O_DIRECT); ``stride``: bytes a block takes in the file
@@ -563,7 +564,8 @@ class Engine(OpenClose):
             raise RuntimeError(f"uring_kv Engine for {self.path}: stats() once open() has run")
         return {**self._gauges(), **driver.stats(), **self.io.stats(), **self.copier.stats(), **self.file.stats(),
                 **self.pool.stats(), "io_depth": self.io_depth, "loop": self._svc.name,
-                "loads_into_caches": plan.into_rows, "tuning": self.tuning.as_dict(), "plan": plan.as_dict()}
+                "loads_into_caches": plan.into_rows,
+                "stores_from_caches": plan.from_rows, "tuning": self.tuning.as_dict(), "plan": plan.as_dict()}
 
     def fileno(self) -> int:
         """The block file's descriptor (block ``d`` at ``d * stats()["stride"]``), for tools that read

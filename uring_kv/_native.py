@@ -322,8 +322,8 @@ class NativePump:
                  waiting: Any, max_slots: int, scatter: bool, copies: PumpCopies | None,
                  on_progress: Callable[[], None]) -> None:
         """``offsets`` (uint64) and ``cache_blocks`` (int64) are C arrays of ``nblocks`` entries
-        (see :func:`block_array` and :func:`scaled`). ``scatter`` (loads): read each block straight
-        into its pieces of the cache tensors (an iovec each) instead of into the slot, then memcpy.
+        (see :func:`block_array` and :func:`scaled`). ``scatter``: read (write) each block straight
+        into (from) its pieces of the cache tensors, an iovec each, instead of through the slot.
         ``copies``: the copies are jobs for the native copier (whose finished jobs must then be
         collected with this ring, see :meth:`CopyJobs.done`)."""
         ntensors, bases, block_bytes, slot_offsets = blocks.c_table()

@@ -64,6 +64,7 @@ class Plan:
     pump_inline: bool  # pumps' SQEs go without IOSQE_ASYNC (small blocks; page-cache hits copied in the submission)
     ring_thread: bool  # a C thread reaps the ring and moves the pumps; the loop hears of batch ends only
     into_rows: bool  # pumped loads read straight into the cache rows (a readv each), not through the slot
+    from_rows: bool  # pumped stores write straight from the cache rows (a writev each), not through the slot
     checksums: bool  # a crc32c of every block written, verified on load (summed off the loop, in the Python pump)
     start_hop: bool  # a batch gives the loop three turns between its set-up and its first I/O
 
@@ -100,8 +101,11 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
     # CPU-mode pumped loads read straight into the cache tensors from a buffered file, or with
     # O_DIRECT where every piece of every block starts and ends on the file's alignment (rows of
     # page-aligned memory, as vLLM's and SGLang's host pools are); IOV_MAX bounds the pieces.
-    into_rows = (pumps and not g.gpu and (not g.direct or g.rows_aligned) and g.tensors <= PUMP_SCATTER_MAX_TENSORS
-                 and tuning.pump_scatter)
+    # Stores the same way from the rows (a writev each): the copy into the slot goes. A native pump's
+    # store counts as enqueued only once it has finished, so no caller sees it done while a write
+    # still reads its rows.
+    rows = pumps and not g.gpu and (not g.direct or g.rows_aligned) and g.tensors <= PUMP_SCATTER_MAX_TENSORS
+    into_rows, from_rows = rows and tuning.pump_scatter, rows and tuning.pump_gather
     return Plan(
         io="uring" if uring else "threads",
         io_reason=io_reason,
@@ -122,6 +126,7 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
         pump_inline=pumps and tuning.pump_inline(g.num_slots, g.stride),
         ring_thread=uring and ring_thread,
         into_rows=into_rows,
+        from_rows=from_rows,
         checksums=g.checksum,
         start_hop=tuning.start_hop,
     )

@@ -71,6 +71,7 @@ class Tuning:
     sqe_async: bool | None = None  # force IOSQE_ASYNC on (True) or off (False) for every SQE
     pumps: bool = True  # False: every batch runs in the Python pump, none in native ones
     pump_scatter: bool = True  # False: pumped CPU loads go through the slot, never straight to the caches
+    pump_gather: bool = True  # False: pumped CPU stores go through the slot, never straight from the caches
     native_copier: bool = True  # False: the Python copy threads and bridge
     cuda_staged: bool = True  # False: no device staging + scatter kernel
     cuda_batch: bool = True  # False: no cuMemcpyBatchAsync (one driver call per piece)
@@ -123,6 +124,7 @@ class Tuning:
             sqe_async=_switch(env, "URING_KV_DEBUG_SQE_ASYNC", d.sqe_async),
             pumps=on("PUMP", d.pumps),
             pump_scatter=on("PUMP_SCATTER", d.pump_scatter),
+            pump_gather=on("PUMP_GATHER", d.pump_gather),
             native_copier=on("NATIVE_COPIER", d.native_copier),
             cuda_staged=on("CUDA_STAGED", d.cuda_staged),
             cuda_batch=on("CUDA_BATCH", d.cuda_batch),

@@ -155,12 +155,12 @@ class UringBackend(OpsInFlight):
         ring.pump_depth(self._capacity)  # pumps whose slots outnumber the depth park the rest
 
     def pumps(self, fd: int, stride: int, blocks: BlockCopier, waiting: Any, max_slots: int, inline: bool,
-              scatter: bool, copies: PumpCopies | None) -> NativePumps:
+              scatter: tuple[bool, bool], copies: PumpCopies | None) -> NativePumps:
         """Native pumps on this ring for one engine's batches, with what they all share: the file
         (``fd``, ``stride``), the caches (``blocks``), the slot pool's waiter counts and size, and
-        the plan's choices (``inline``: no IOSQE_ASYNC on their SQEs; ``scatter``: loads read
-        straight into the caches; ``copies``: copies are native copier jobs, else memcpys in the
-        reap). Made once the buffers and the file are registered."""
+        the plan's choices (``inline``: no IOSQE_ASYNC on their SQEs; ``scatter``: (loads read
+        straight into the caches, stores write straight from them); ``copies``: copies are native
+        copier jobs, else memcpys in the reap). Made once the buffers and the file are registered."""
         sqe_flags = [0 if inline else flags for flags in self._sqe_flags]
         if fd in self._fixed_fd:
             fd, sqe_flags = self._fixed_fd[fd], [flags | _FIXED_FILE for flags in sqe_flags]
@@ -370,8 +370,8 @@ class NativePumps:
     what they all share, fixed when the engine opens; :meth:`pump` makes one for a batch."""
 
     def __init__(self, backend: UringBackend, ring: NativeRing, fd: int, sqe_flags: tuple[int, int],
-                 fixed_buffers: bool, stride: int, blocks: BlockCopier, waiting: Any, max_slots: int, scatter: bool,
-                 copies: PumpCopies | None) -> None:
+                 fixed_buffers: bool, stride: int, blocks: BlockCopier, waiting: Any, max_slots: int,
+                 scatter: tuple[bool, bool], copies: PumpCopies | None) -> None:
         self._backend, self._ring, self._fd, self._sqe_flags = backend, ring, fd, sqe_flags
         self._fixed_buffers, self._stride, self._blocks = fixed_buffers, stride, blocks
         self._waiting, self._max_slots, self._scatter, self._copies = waiting, max_slots, scatter, copies
@@ -383,4 +383,4 @@ class NativePumps:
         collection of copy jobs in which it moved. Raises ``PumpsBusy`` when none is free."""
         return RingPump(self._backend, self._ring, write, self._fd, self._sqe_flags[write], self._fixed_buffers,
                         self._stride, self._blocks, offsets, cache_blocks, nblocks, self._waiting, self._max_slots,
-                        self._scatter and not write, self._copies, on_progress)
+                        self._scatter[write], self._copies, on_progress)

@@ -24,9 +24,10 @@ static void pump_flush(struct ukv_ring *r, struct ukv_pump *p);
 
 /* A pump for nblocks blocks and slots below max_slots, its own arrays in the same allocation (free
  * with ukv_pump_free); offsets, cache, the tensor table and `waiting` belong to the caller and must
- * outlive it. `scatter` (loads only): read each block straight into its cache pieces (one READV,
- * an iovec per tensor) instead of into the slot and then memcpy; the slot then only stands for
- * a place in the queue depth. `copier` (or NULL): copies go to its threads as jobs of at most
+ * outlive it. `scatter`: read each block straight into its cache pieces (a load: one READV, an
+ * iovec per tensor) instead of into the slot and then memcpy, or write it straight from them (a
+ * store: one WRITEV) instead of a memcpy into the slot first; the slot then only stands for a
+ * place in the queue depth. `copier` (or NULL): copies go to its threads as jobs of at most
  * `copy_blocks` blocks; `dev_slots` (CUDA, or NULL) and `copier` belong to the caller too. NULL
  * when out of memory. */
 struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
@@ -35,7 +36,7 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
                               const int64_t *cache, const int32_t *waiting, unsigned max_slots, int scatter,
                               struct ukv_copier *copier, const uint64_t *dev_slots, unsigned copy_blocks) {
     size_t slots = max_slots ? max_slots : 1, blocks = nblocks ? nblocks : 1;
-    size_t iovs = scatter && !write ? slots * ntensors : 0;
+    size_t iovs = scatter ? slots * ntensors : 0;
     struct ukv_pump *p = calloc(1, sizeof *p + 3 * slots * sizeof(uint64_t) + iovs * sizeof(struct iovec) +
                                        slots * (2 * sizeof(int32_t) + 3 * sizeof(uint32_t) + 1) +
                                        blocks * (sizeof(uint32_t) + sizeof(int32_t)));
@@ -203,7 +204,8 @@ static int pump_io(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
             iov[t].iov_base = (void *)(uintptr_t)(p->bases[t] + (uint64_t)p->cache[b] * p->block_bytes[t]);
             iov[t].iov_len = p->block_bytes[t];
         }
-        io_uring_prep_readv(sqe, p->fd, iov, p->ntensors, p->offsets[b]);
+        if (p->write) io_uring_prep_writev(sqe, p->fd, iov, p->ntensors, p->offsets[b]);
+        else io_uring_prep_readv(sqe, p->fd, iov, p->ntensors, p->offsets[b]);
     } else if (p->write && buf >= 0) io_uring_prep_write_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);
     else if (p->write) io_uring_prep_write(sqe, p->fd, slot, p->stride, p->offsets[b]);
     else if (buf >= 0) io_uring_prep_read_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);
@@ -236,12 +238,12 @@ static void pump_due_copy(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
  * their pump, so a refill never overtakes another batch's parked slot. */
 static int io_may_start(const struct ukv_ring *r, int queued) { return ring_has_room(r) && (queued || !r->nparked); }
 
-/* Start the pump's next block in the idle slot s it holds: a store with a copier first queues the
- * block's copy into the slot; anything else starts the block's I/O (after a memcpy into the slot
- * for a store without one), or parks the slot while there is no room (io_may_start). 0, or -EBUSY
+/* Start the pump's next block in the idle slot s it holds: a store with a copier (not writing from
+ * the caches) first queues the block's copy into the slot; anything else starts the block's I/O
+ * (after a memcpy into the slot for a store with neither), or parks the slot while there is no room (io_may_start). 0, or -EBUSY
  * when no SQE could be had (nothing started). */
 static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int queued) {
-    int copy_first = p->write && p->copier;
+    int copy_first = p->write && p->copier && !p->slot_iov;
     if (!copy_first && !io_may_start(r, queued)) {
         pump_park(r, p, s);
         return 0;
@@ -252,7 +254,8 @@ static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int qu
         pump_due_copy(r, p, s);
         return 0;
     }
-    if (p->write) copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 1, p->slot_addr[s], p->cache[b]);
+    if (p->write && !p->slot_iov)
+        copy_block(p->ntensors, p->bases, p->block_bytes, p->slot_offsets, 1, p->slot_addr[s], p->cache[b]);
     if (pump_io(r, p, s) == 0) return 0;
     p->next--;
     p->slot_block[s] = -1;
