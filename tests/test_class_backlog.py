@@ -1,6 +1,6 @@
 """The I/O classes where I/Os wait for room under the depth: a demand load's read goes ahead of the
-prefetches' reads waiting before it, at the ring's backlog (ops of Python pumps) and among the
-native pumps' parked slots (in C)."""
+prefetches' reads waiting before it, at the ring's backlog (ops of Python pumps), among the
+native pumps' parked slots (in C), and in the thread-pool backend's queue."""
 
 from __future__ import annotations
 
@@ -89,3 +89,37 @@ async def test_a_demand_pumps_parked_slot_takes_the_room_before_prefetch_slots_p
         assert [identify(caches, 16 + b) for b in range(4)] == [(b, 1, True) for b in range(4)]
         assert identify(caches, 12) == (12, 1, True)
     assert order.index(12) == 1, f"read order by block: {order}"
+
+
+@pytest.mark.parametrize("demand", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="the control: a second prefetch waits its turn behind the queued reads"))])
+async def test_on_the_thread_pool_a_demand_read_goes_before_queued_prefetch_reads(
+        fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, demand: bool) -> None:
+    """The thread-pool backend (8 workers), slow reads of the prefetched blocks: a prefetch of 16
+    blocks keeps every worker busy and 8 reads waiting for one. A demand load called meanwhile has
+    its read taken by the first worker to come free, ahead of those 8; called as a prefetch, it
+    waits behind them (the control)."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=48)
+    async with make_engine(caches, 24, num_slots=24, io="threads", path=mountpoint / "kv.bin") as engine:
+        assert engine.stats()["io"].startswith("thread pool (8 threads")
+        await store_identity(engine, caches, 24)
+        stride = engine.file.stride
+        state.slow_down(0, 16 * stride, 0.05, writes=False)
+        state.reads.clear()
+        async with task_group() as tasks:
+            prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
+            prefetch = tasks.spawn(prefetching, list(range(16)), list(range(24, 40)))
+            for _ in range(1000):  # until every worker holds a slowed read (the rest wait)
+                if len({offset // stride for offset in state.reads}) >= 8:
+                    break
+                await anyio.sleep(0.001)
+            await anyio.sleep(0.01)
+            await engine.load_batch([20], [40], prefetch=None if demand else Prefetch())
+            await prefetch.join()
+        state.clear()
+        order = list(dict.fromkeys(offset // stride for offset in state.reads))
+        assert sorted(order) == [*range(16), 20]
+        assert [identify(caches, 24 + b) for b in range(16)] == [(b, 1, True) for b in range(16)]
+        assert identify(caches, 40) == (20, 1, True)
+    assert order.index(20) <= 9, f"read order by block: {order}"

@@ -1,13 +1,16 @@
 """The thread-pool backend: preadv/pwritev on worker threads, for where io_uring cannot run (Docker's
 default seccomp refuses it, gVisor has none) or is not wanted (``io='threads'``). Same interface and
-completion rules as the ring: each op's handler runs on the loop thread, after the op is done."""
+completion rules as the ring: each op's handler runs on the loop thread, after the op is done.
+Ops waiting for a worker go in the I/O classes' order, as at the ring's backlog: demand loads'
+reads, then prefetches' reads (``Op.later``), then writes."""
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from uring_kv._io.base import Op, OpsInFlight
 from uring_kv._loop import LoopServices, current_services
@@ -16,7 +19,8 @@ from uring_kv._trace import Trace
 
 
 class ThreadBackend(OpsInFlight):
-    """A thread pool of ``workers`` threads doing preadv/pwritev (``reason``: why, for the description)."""
+    """``workers`` threads doing preadv/pwritev (``reason``: why, for the description), taking the
+    waiting ops by class: [0] demand reads, [1] prefetch reads, [2] writes."""
 
     name = "threads"
 
@@ -25,12 +29,36 @@ class ThreadBackend(OpsInFlight):
         super().__init__(services or current_services(), trace)
         self.reason = reason
         self.description = f"thread pool ({workers} threads{', ' + reason if reason else ''})"
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="uring-kv-io")
+        self._waiting: tuple[deque[Op], deque[Op], deque[Op]] = (deque(), deque(), deque())
+        self._ready = threading.Condition()
+        self._closing = False
+        self._workers = [threading.Thread(target=self._work, name=f"uring-kv-io-{i}", daemon=True)
+                         for i in range(workers)]
+        for worker in self._workers:
+            worker.start()
 
     def submit(self, ops: Sequence[Op]) -> None:
         self.inflight += len(ops)
-        for op in ops:
-            self._pool.submit(self._run, op)
+        waiting = self._waiting
+        with self._ready:
+            for op in ops:
+                waiting[2 if op.write else 1 if op.later else 0].append(op)
+            self._ready.notify(len(ops))
+
+    def _next(self) -> Op | None:
+        """The next op by class (None: closing and nothing left)."""
+        with self._ready:
+            while True:
+                for queue in self._waiting:
+                    if queue:
+                        return queue.popleft()
+                if self._closing:
+                    return None
+                self._ready.wait()
+
+    def _work(self) -> None:
+        while (op := self._next()) is not None:
+            self._run(op)
 
     def _run(self, op: Op) -> None:
         view = view_of(op.addr, op.length)
@@ -45,4 +73,8 @@ class ThreadBackend(OpsInFlight):
     def close(self) -> None:
         if self.inflight:
             raise RuntimeError(f"{self.inflight} thread-pool ops still in flight; drain() first")
-        self._pool.shutdown(wait=True)
+        with self._ready:
+            self._closing = True
+            self._ready.notify_all()
+        for worker in self._workers:
+            worker.join()
