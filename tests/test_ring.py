@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
-from aio import settle, task_group
+from aio import gather, settle, task_group
 from conftest import BOTH_BACKENDS, reported_errors
 
 from uring_kv import Tuning, UringUnavailable
@@ -407,3 +407,27 @@ async def test_a_failing_handler_is_reported_and_the_others_still_run(backend: I
     assert backend.inflight == 0
     assert len(errors) == 1 and "completion handler failed" in str(errors[0])
     buf.close()
+
+
+async def test_a_thread_pool_worker_outlives_an_op_that_raises_and_a_closed_pool_refuses_ops(
+        data_file: int) -> None:
+    """An op whose call raises something other than OSError fails with EIO (reported on the loop)
+    and every worker stays: more ops than workers still complete. After close(), submit() raises
+    instead of queueing ops that no worker would run."""
+    io = ThreadBackend(workers=2)
+    buf = HostBuffer(4096)
+    os.pwrite(data_file, b"x" * 4096, 0)
+    try:
+        with reported_errors() as reported:
+            with pytest.raises(OSError) as failed:
+                await io.transfer(False, data_file, buf.addr, 4096, 1 << 64)  # an offset preadv cannot take
+            await settle()
+        assert failed.value.errno == errno.EIO and reported
+        for _ in range(2):  # every worker still takes ops
+            calls = [(io.transfer, (False, data_file, buf.addr, 4096, 0)) for _ in range(4)]
+            assert await gather(*calls) == [4096] * 4
+    finally:
+        io.close()
+        buf.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        io.submit([Op(False, data_file, buf.addr, 4096, 0, lambda res: None)])

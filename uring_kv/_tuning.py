@@ -31,6 +31,7 @@ RING_THREAD_MODES = ("auto", "on", "off")
 # The native copier's threads poll this long (µs) for their next job or event before they sleep, by
 # default where the process may use RING_THREAD_CPUS CPUs or more.
 COPIER_POLL_US = 200
+COPIER_POLL_MAX_US = 1_000_000  # a second: beyond it a thread would rather sleep
 
 
 def _count(env: Mapping[str, str], name: str, default: int, what: str = "a count") -> int:
@@ -83,9 +84,11 @@ class Tuning:
             raise ValueError(f"I/O mode must be 'auto', 'uring' or 'threads', got {self.io!r}")
         if self.ring_thread not in RING_THREAD_MODES:
             raise ValueError(f"Tuning.ring_thread must be 'auto', 'on' or 'off', got {self.ring_thread!r}")
-        if self.copier_poll_us is not None and (isinstance(self.copier_poll_us, bool) or
-                                                not isinstance(self.copier_poll_us, int) or self.copier_poll_us < 0):
-            raise ValueError(f"Tuning.copier_poll_us must be None or an integer >= 0, got {self.copier_poll_us!r}")
+        poll = self.copier_poll_us
+        if poll is not None and (isinstance(poll, bool) or not isinstance(poll, int)
+                                 or not 0 <= poll <= COPIER_POLL_MAX_US):
+            raise ValueError(f"Tuning.copier_poll_us must be None or an integer from 0 to {COPIER_POLL_MAX_US}, "
+                             f"got {poll!r}")
         for name in ("completions_per_callback", "reap_budget_us", "iowq_workers", "host_inline_bytes",
                      "copy_lanes"):
             value = getattr(self, name)

@@ -29,18 +29,27 @@ class ThreadBackend(OpsInFlight):
         super().__init__(services or current_services(), trace)
         self.reason = reason
         self.description = f"thread pool ({workers} threads{', ' + reason if reason else ''})"
+        if workers < 1:
+            raise ValueError(f"the thread pool needs at least one worker, got {workers}")
         self._waiting: tuple[deque[Op], deque[Op], deque[Op]] = (deque(), deque(), deque())
         self._ready = threading.Condition()
         self._closing = False
-        self._workers = [threading.Thread(target=self._work, name=f"uring-kv-io-{i}", daemon=True)
-                         for i in range(workers)]
-        for worker in self._workers:
-            worker.start()
+        self._workers: list[threading.Thread] = []
+        try:
+            for i in range(workers):
+                worker = threading.Thread(target=self._work, name=f"uring-kv-io-{i}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+        except BaseException:
+            self._stop()
+            raise
 
     def submit(self, ops: Sequence[Op]) -> None:
-        self.inflight += len(ops)
         waiting = self._waiting
         with self._ready:
+            if self._closing:
+                raise RuntimeError("uring_kv: the thread pool is closed")
+            self.inflight += len(ops)
             for op in ops:
                 waiting[2 if op.write else 1 if op.later else 0].append(op)
             self._ready.notify(len(ops))
@@ -57,8 +66,19 @@ class ThreadBackend(OpsInFlight):
                 self._ready.wait()
 
     def _work(self) -> None:
-        while (op := self._next()) is not None:
-            self._run(op)
+        while True:
+            op = self._next()
+            if op is None:
+                return
+            try:
+                self._run(op)
+            except BaseException as exc:  # (not an OSError of the call): the op fails, the worker lives on
+                try:
+                    self._svc.call_soon_threadsafe(self._svc.report, "uring_kv thread-pool I/O failed", exc)
+                    self._svc.call_soon_threadsafe(self._finished, op, -errno.EIO)
+                except RuntimeError:  # the loop has closed: nobody waits for the op any more
+                    pass
+            del op  # an idle worker holds no op (nor the memory its owner keeps alive)
 
     def _run(self, op: Op) -> None:
         view = view_of(op.addr, op.length)
@@ -73,6 +93,9 @@ class ThreadBackend(OpsInFlight):
     def close(self) -> None:
         if self.inflight:
             raise RuntimeError(f"{self.inflight} thread-pool ops still in flight; drain() first")
+        self._stop()
+
+    def _stop(self) -> None:
         with self._ready:
             self._closing = True
             self._ready.notify_all()
