@@ -151,10 +151,16 @@ def test_a_get_cancelled_while_mooncake_holds_its_call_leaves_the_rows_alone(
             await store.put(keys, range(4))
             poison(caches, range(4, 8))
             untouched = row_bytes(caches, 4)
+            for _ in range(100):  # a call that goes to Mooncake, not a back-off's quick miss
+                if store.remote.available:
+                    break
+                await asyncio.sleep(0.05)
+            assert store.remote.available, store.remote.stats()
             master.pause()
             try:
                 task = asyncio.ensure_future(store.remote.fetch(keys, range(4, 8)))
                 await asyncio.sleep(0.3)
+                assert not task.done(), f"the fetch ended with the master stopped: {task!r}, {store.remote.stats()}"
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
