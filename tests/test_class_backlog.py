@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -56,6 +57,29 @@ async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_rea
     assert any(jumped), "no demand read was ever submitted ahead of a prefetch read queued before it"
 
 
+async def read_order(engine: Any, state: FaultState, prefetched: int, first_row: int, started: int, block: int,
+                     row: int, demand: bool) -> list[int]:
+    """Prefetch blocks 0..``prefetched`` into rows from ``first_row``, their reads slowed; once
+    ``started`` of them reached the filesystem, load ``block`` into ``row`` (a demand load, else a
+    second prefetch). The blocks in the order their reads reached the filesystem."""
+    stride = engine.file.stride
+    state.slow_down(0, prefetched * stride, 0.05, writes=False)
+    state.reads.clear()
+    async with task_group() as tasks:
+        prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
+        prefetch = tasks.spawn(prefetching, list(range(prefetched)), list(range(first_row, first_row + prefetched)))
+        for _ in range(1000):  # until that many reads are in flight (the rest wait for room)
+            if len({offset // stride for offset in state.reads}) >= started:
+                break
+            await anyio.sleep(0.001)
+        assert len({offset // stride for offset in state.reads}) >= started, "the prefetch's reads never came"
+        await anyio.sleep(0.01)
+        await engine.load_batch([block], [row], prefetch=None if demand else Prefetch())
+        await prefetch.join()
+    state.clear()
+    return list(dict.fromkeys(offset // stride for offset in state.reads))
+
+
 @pytest.mark.parametrize("demand", [True, pytest.param(False, marks=pytest.mark.xfail(
     strict=True, reason="the control: a second prefetch waits its turn behind the parked slots"))])
 async def test_a_demand_pumps_parked_slot_takes_the_room_before_prefetch_slots_parked_first(
@@ -69,22 +93,8 @@ async def test_a_demand_pumps_parked_slot_takes_the_room_before_prefetch_slots_p
     caches = id_caches("cpu", blocks=24)
     async with make_engine(caches, 16, num_slots=8, io_depth=1, path=mountpoint / "kv.bin") as engine:
         await store_identity(engine, caches, 16)
-        stride = engine.file.stride
-        state.slow_down(0, 4 * stride, 0.05, writes=False)
-        state.reads.clear()
-        async with task_group() as tasks:
-            prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
-            prefetch = tasks.spawn(prefetching, list(range(4)), list(range(16, 20)))
-            for _ in range(1000):  # until its first read reached the filesystem (the others parked)
-                if state.reads:
-                    break
-                await anyio.sleep(0.001)
-            assert state.reads, "the prefetch's first read never came"
-            await engine.load_batch([12], [12], prefetch=None if demand else Prefetch())
-            await prefetch.join()
-        state.clear()
+        order = await read_order(engine, state, 4, 16, 1, 12, 12, demand)  # the first read in flight, 3 parked
         assert engine.stats()["pumped_batches"] >= 3, "the batches did not run in native pumps"
-        order = list(dict.fromkeys(offset // stride for offset in state.reads))
         assert sorted(order) == [0, 1, 2, 3, 12]
         assert [identify(caches, 16 + b) for b in range(4)] == [(b, 1, True) for b in range(4)]
         assert identify(caches, 12) == (12, 1, True)
@@ -104,21 +114,7 @@ async def test_on_the_thread_pool_a_demand_read_goes_before_queued_prefetch_read
     async with make_engine(caches, 24, num_slots=24, io="threads", path=mountpoint / "kv.bin") as engine:
         assert engine.stats()["io"].startswith("thread pool (8 threads")
         await store_identity(engine, caches, 24)
-        stride = engine.file.stride
-        state.slow_down(0, 16 * stride, 0.05, writes=False)
-        state.reads.clear()
-        async with task_group() as tasks:
-            prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
-            prefetch = tasks.spawn(prefetching, list(range(16)), list(range(24, 40)))
-            for _ in range(1000):  # until every worker holds a slowed read (the rest wait)
-                if len({offset // stride for offset in state.reads}) >= 8:
-                    break
-                await anyio.sleep(0.001)
-            await anyio.sleep(0.01)
-            await engine.load_batch([20], [40], prefetch=None if demand else Prefetch())
-            await prefetch.join()
-        state.clear()
-        order = list(dict.fromkeys(offset // stride for offset in state.reads))
+        order = await read_order(engine, state, 16, 24, 8, 20, 40, demand)  # every worker on a slowed read
         assert sorted(order) == [*range(16), 20]
         assert [identify(caches, 24 + b) for b in range(16)] == [(b, 1, True) for b in range(16)]
         assert identify(caches, 40) == (20, 1, True)
