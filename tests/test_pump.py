@@ -499,6 +499,58 @@ async def test_an_op_waiting_behind_a_pump_goes_when_its_copy_jobs_hand_slots_ba
         assert engine.stats()["pumped_batches"] == 2  # store_identity's, the first load
 
 
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+async def test_rows_off_a_page_are_read_straight_into_where_the_kernel_takes_them(tmp_path: Path, where: str) -> None:
+    """Torch's own CPU tensors start 64 bytes past a page. With O_DIRECT the engine reads straight
+    into (and writes straight from) such rows exactly where an O_DIRECT read into them works: on
+    tmpfs (its O_DIRECT is the page cache's copy), not on a disk that needs 512-byte-aligned
+    buffers; the bytes are right either way."""
+    import ctypes
+    import fcntl
+    import shutil
+    import tempfile
+
+    directory = tmp_path
+    if where == "tmpfs":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm here")
+        directory = Path(tempfile.mkdtemp(prefix="uring-kv-test-", dir="/dev/shm"))
+    rows, row = 16, 8192
+    caches = {"rows": torch.zeros((rows, row), dtype=torch.int8)}
+    source = torch.randint(-128, 127, (32, row), dtype=torch.int8)
+    try:
+        # the kernel's own answer: an O_DIRECT read of a block into row 1
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            os.pwrite(fd, source[0].numpy().tobytes(), 0)
+            os.fsync(fd)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            target = (ctypes.c_char * row).from_address(caches["rows"][1].data_ptr())
+            try:
+                takes = os.preadv(fd, [memoryview(target).cast("B")], 0) == row
+            except OSError:
+                takes = False
+        finally:
+            os.close(fd)
+        if takes:
+            assert torch.equal(caches["rows"][1], source[0])
+        async with Engine(caches, directory / "kv.bin", 32, 4) as engine:
+            if not engine.file.direct:
+                pytest.skip(f"no O_DIRECT here: {engine.file.reason}")
+            assert caches["rows"].data_ptr() % 4096 != 0  # (off a page, as torch allocates)
+            assert engine.stats()["loads_into_caches"] is engine.stats()["stores_from_caches"] is takes
+            for first in range(0, 32, rows):
+                caches["rows"][:] = source[first:first + rows]
+                await engine.store_batch(list(range(rows)), list(range(first, first + rows)))
+            for disk in (list(range(31, -1, -2)), list(range(0, 32, 2))):
+                caches["rows"].zero_()
+                await engine.load_batch(disk, list(range(rows)))
+                assert torch.equal(caches["rows"], source[disk])
+    finally:
+        if where == "tmpfs":
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.mark.parametrize("aligned", [True, False])
 async def test_o_direct_loads_read_straight_into_page_aligned_caches(tmp_path: Path, aligned: bool) -> None:
     """CPU mode with O_DIRECT: rows of page-aligned memory whose size is a multiple of the file's

@@ -233,8 +233,9 @@ class Engine(OpenClose):
                               self._hazards, self._metrics, self._pressure, self._trace)
 
     def _geometry(self, file: BlockFile) -> Geometry:
-        align, layout = file.alignment, self.layout
-        rows_aligned = all(int(t.data_ptr()) % align == 0 and nbytes % align == 0
+        # a row's address needs the file's memory alignment, its length the offset alignment
+        align, memory, layout = file.alignment, file.memory_alignment, self.layout
+        rows_aligned = all(int(t.data_ptr()) % memory == 0 and nbytes % align == 0
                            for t, nbytes in zip(layout.tensors, layout.tensor_block_bytes, strict=True))
         return Geometry(gpu=self.gpu, direct=file.direct, stride=file.stride, num_slots=self.num_slots,
                         io_depth=self.io_depth, tensors=len(layout.tensors), block_bytes=self.block_bytes,

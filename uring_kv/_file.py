@@ -23,7 +23,11 @@ The file is sparse: other files on the filesystem can still take the room later,
 
 O_DIRECT is probed with a real aligned write and read (on a scratch unnamed file beside a kept
 file, whose bytes must not be touched): some filesystems accept the flag at ``open`` and fail the
-first I/O (overlayfs, FUSE, some NFS). This module does blocking syscalls: call it off the event
+first I/O (overlayfs, FUSE, some NFS). Offsets and lengths keep ``alignment`` (the larger of what
+statx reports, at least 512); memory may need less (``memory_alignment``: NVMe reads into any
+4-byte-aligned buffer): statx's memory alignment where it reports one, else what the probe finds
+(a read into a buffer 8 bytes off a page: tmpfs takes it, its O_DIRECT is the page cache's copy).
+The engine reads straight into cache rows that keep it. This module does blocking syscalls: call it off the event
 loop (the engine uses ``to_thread``).
 """
 
@@ -110,6 +114,7 @@ def _fallocate(fd: int, length: int) -> None:
 class FileReport:
     direct: bool
     alignment: int
+    memory_alignment: int  # what O_DIRECT needs of a buffer's address (1 on a buffered file)
     reason: str  # why buffered I/O is used ('' when direct)
 
 
@@ -144,9 +149,11 @@ class BlockFile:
             self.block_bytes = block_bytes
             self.stride = round_up(block_bytes, self.alignment)
             self.num_blocks = num_blocks
-            self.direct, self.reason = False, "buffered I/O requested"
+            self.direct, self.reason, self.memory_alignment = False, "buffered I/O requested", 1
             if direct is not False:
-                self.direct, self.reason = self._try_direct()
+                self.direct, self.reason, probed = self._try_direct()
+                if self.direct:
+                    self.memory_alignment = reported[0] if reported and reported[0] else probed
                 if direct and not self.direct:
                     raise OSError(errno.EINVAL, f"O_DIRECT requested but unusable on {self.path}: {self.reason}")
             size = self.stride * num_blocks
@@ -205,12 +212,13 @@ class BlockFile:
             raise
         return True, ""
 
-    def _try_direct(self) -> tuple[bool, str]:
+    def _try_direct(self) -> tuple[bool, str, int]:
+        """(usable, why not, the memory alignment the probe found) for O_DIRECT on this file."""
         if not self.keep:
             return _probe_direct(self.fd, self.alignment)
         scratch, _, name = _create_unnamed(self.path)  # same directory, so the same filesystem
         try:
-            usable, reason = _probe_direct(scratch, self.alignment)
+            usable, reason, memory = _probe_direct(scratch, self.alignment)
         finally:
             os.close(scratch)
             if name is not None:
@@ -220,12 +228,12 @@ class BlockFile:
             try:
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_DIRECT)
             except OSError as exc:
-                return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})"
-        return usable, reason
+                return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})", 1
+        return usable, reason, memory
 
     @property
     def report(self) -> FileReport:
-        return FileReport(self.direct, self.alignment, self.reason)
+        return FileReport(self.direct, self.alignment, self.memory_alignment, self.reason)
 
     def offset(self, disk_block: int) -> int:
         return disk_block * self.stride
@@ -265,24 +273,47 @@ class BlockFile:
         return self.fd < 0
 
 
-def _probe_direct(fd: int, alignment: int) -> tuple[bool, str]:
-    """Turn O_DIRECT on for ``fd`` (an empty file) if a real aligned write and read work with it;
-    the file is left empty."""
+def _probe_direct(fd: int, alignment: int) -> tuple[bool, str, int]:
+    """Turn O_DIRECT on for ``fd`` (an empty file) if a real aligned write and read work with it:
+    (usable, why not, the memory alignment it needs: ``PROBE_MISALIGNMENT`` if a read into a buffer
+    that far off a page works too, else ``alignment``); the file is left empty."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
     except OSError as exc:
-        return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})"
-    probe = HostBuffer(round_up(alignment, 4096))
+        return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})", 1
+    probe = HostBuffer(round_up(max(alignment, PROBE_SPAN), 4096) + 4096)
     try:
         _probe_io(fd, probe, alignment)
+        memory = PROBE_MISALIGNMENT if _reads_misaligned(fd, probe, round_up(PROBE_SPAN, alignment)) else alignment
     except OSError as exc:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-        return False, f"O_DIRECT probe I/O failed ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
+        return False, f"O_DIRECT probe I/O failed ({errno.errorcode.get(exc.errno or 0, exc.errno)})", 1
     finally:
         probe.close()
         os.ftruncate(fd, 0)  # the probe's bytes are not block data
-    return True, ""
+    return True, "", memory
+
+
+PROBE_MISALIGNMENT = 8  # the buffer address the memory probe tries: 8 bytes past a page
+# ... for a read this long (across pages: ext4 on this machine's virtual disk takes a misaligned
+# read of one 512-byte sector and refuses one of 4 KiB)
+PROBE_SPAN = 8192
+
+
+def _reads_misaligned(fd: int, buf: HostBuffer, length: int) -> bool:
+    """Whether an O_DIRECT read of ``length`` bytes at offset 0 into ``buf`` + PROBE_MISALIGNMENT
+    works and reads what an aligned write put there."""
+    pattern = bytes((i * 11 + 3) & 0xFF for i in range(256)) * (length // 256)
+    buf.view[:length] = pattern
+    if os.pwritev(fd, [buf.view[:length]], 0) != length:
+        raise OSError(errno.EIO, "short O_DIRECT probe write")
+    at = buf.view[PROBE_MISALIGNMENT:PROBE_MISALIGNMENT + length]
+    at[:] = bytes(length)
+    try:
+        return os.preadv(fd, [at], 0) == length and at == pattern
+    except OSError:  # EINVAL where the address must be aligned; nothing to learn from another error either
+        return False
 
 
 def _open_kept(path: str) -> tuple[int, int, bool]:

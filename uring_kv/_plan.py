@@ -25,8 +25,8 @@ PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
 @dataclass(frozen=True)
 class Geometry:
     """What decides an engine's data path besides its tuning: the caches (``gpu``, ``tensors``,
-    ``block_bytes``: one block of every tensor; ``rows_aligned``: every tensor's rows start and end
-    on the file's alignment), the file (``direct``, ``stride``: a block's bytes in it), the slots
+    ``block_bytes``: one block of every tensor; ``rows_aligned``: every tensor's rows start on the
+    file's memory alignment and are a multiple of its offset alignment long), the file (``direct``, ``stride``: a block's bytes in it), the slots
     (``num_slots``, ``io_depth``), ``checksum`` and ``slowed`` (a ``copy_delay`` for tests)."""
 
     gpu: bool
@@ -99,8 +99,9 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
     reap_copies = not g.gpu and inline_blocks >= 1 and Tuning.copies_inline(g.num_slots, g.stride)
     pumps = uring and tuning.pumps and not g.checksum and (reap_copies or native_copier)
     # CPU-mode pumped loads read straight into the cache tensors from a buffered file, or with
-    # O_DIRECT where every piece of every block starts and ends on the file's alignment (rows of
-    # page-aligned memory, as vLLM's and SGLang's host pools are); IOV_MAX bounds the pieces.
+    # O_DIRECT where every piece of every block is aligned memory of an aligned length (page-aligned
+    # host pools as vLLM's and SGLang's everywhere; any torch tensor where the file takes any
+    # 8-byte-aligned buffer: NVMe, tmpfs); IOV_MAX bounds the pieces.
     # Stores the same way from the rows (a writev each): the copy into the slot goes. A native pump's
     # store counts as enqueued only once it has finished, so no caller sees it done while a write
     # still reads its rows.

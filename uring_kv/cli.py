@@ -162,7 +162,8 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
 
     async def probe_engine() -> dict[str, Any]:
         async with engine:
-            return {**engine.stats(), "alignment": engine.file.alignment}
+            return {**engine.stats(), "alignment": engine.file.alignment,
+                    "memory_alignment": engine.file.memory_alignment}
 
     async def probe_io() -> str:  # where no engine opened: the I/O path alone
         io = open_backend(tuning.io, tuning=tuning)
@@ -184,7 +185,8 @@ def info(path: str | None) -> tuple[dict[str, Any], str | None]:
         facts["io"] = stats["io"]
         facts["path"] = directory
         facts["O_DIRECT"] = "yes" if stats["direct"] else f"no ({stats['direct_reason']})"
-        facts["alignment"] = stats["alignment"]
+        facts["alignment"] = (f"{stats['alignment']} (offsets and lengths), {stats['memory_alignment']} (buffers)"
+                              if stats["direct"] else stats["alignment"])
         facts[f"plan (CPU, {INFO_BLOCK_BYTES >> 10} KiB blocks, {INFO_SLOTS} slots)"] = ", ".join(
             f"{k}={v}" for k, v in stats["plan"].items())
     elif no_file is not None:
