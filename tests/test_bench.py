@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -284,6 +285,34 @@ def test_bench_runs_only_the_peers_asked_for(tmp_path: Path, capsys: pytest.Capt
     result = json.loads(out.read_text())
     assert {r["method"] for r in result["rows"] if r["case"] != "pcie"} == {"uring_kv"}
     assert result["idle_loop_lag"]["samples"] == 0
+
+
+def test_the_copy_ceiling_is_no_limit_where_the_engine_makes_no_copy(capsys: pytest.CaptureFixture[str]) -> None:
+    """On tmpfs (O_DIRECT there takes any buffer) the engine reads straight into torch's cache
+    rows and writes straight from them: the copy ceiling, the engine's own copy path, is left out
+    of those rows and of their limit, and a note says why."""
+    if filesystem_of("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
+        out = Path(directory) / "bench.json"
+        assert main(["bench", "--path", directory, "--size", "2M", "--block-size", "64K", "--layers", "4",
+                     "--batch", "8", "--batches", "1", "--io-depth", "4", "--direct", "--peers", "ceiling",
+                     "--no-sweep", "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+    rows, extra = result["rows"], result["extra"][str(64 << 10)]
+    assert result["all_verified"] is True
+    assert extra["cold"]["direct"] is True
+    assert {r["op"] for r in rows if r["method"] == "copy ceiling"} == set()
+    assert {(r["op"], r["method"]) for r in rows} == {(op, m) for op in ("load", "store")
+                                                      for m in ("uring_kv", "ring ceiling")}
+    for row in rows:
+        if row["method"] == "uring_kv":
+            ring = next(r for r in rows if r["method"] == "ring ceiling" and r["op"] == row["op"])
+            assert row["of_limit"] == pytest.approx(row["gbps"] / ring["gbps"])
+            assert "copy ceiling" not in row["ratios"]
+    note = extra["notes"]["copy ceiling, cold"]
+    assert note.startswith("left out for loads and stores")
+    assert f"copy ceiling, cold: {note}" in " ".join(capsys.readouterr().out.split())  # (wrapped to the console)
 
 
 def test_the_ram_backed_run_is_left_out_when_asked_or_when_the_file_is_in_ram_already(
