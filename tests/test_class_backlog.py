@@ -63,7 +63,9 @@ async def read_order(engine: Any, state: FaultState, prefetched: int, first_row:
     ``started`` of them reached the filesystem, load ``block`` into ``row`` (a demand load, else a
     second prefetch). The blocks in the order their reads reached the filesystem."""
     stride = engine.file.stride
-    state.slow_down(0, prefetched * stride, 0.05, writes=False)
+    # each slowed read takes long enough that none of them ends before the load is called, however
+    # slow the machine (50 ms let a loaded CI machine finish the first reads first)
+    state.slow_down(0, prefetched * stride, 0.3, writes=False)
     state.reads.clear()
     async with task_group() as tasks:
         prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
