@@ -174,6 +174,7 @@ const char *ukv_liburing_version(void);
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
                       const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
+int ukv_check_identity(uint64_t *words, uint64_t rows, uint64_t row_words, const int64_t *numbers, int scrub);
 unsigned ukv_fs_store_blocks(const char *const *tmp_paths, const char *const *dest_paths, const uint64_t *bufs,
                              unsigned n, uint64_t size, int o_direct, int *err);
 unsigned ukv_fs_load_blocks(const char *const *paths, const uint64_t *bufs, unsigned n, uint64_t size, int o_direct,
@@ -233,7 +234,8 @@ void ukv_ring_unwatch_copier(struct ukv_ring *r);
 # The C side, one file per concern (see uring_kv/csrc/ukv.h), compiled into this one extension; the
 # module's own source only includes the header that declares what CDEF names.
 C_DIR = "uring_kv/csrc"
-C_SOURCES = [f"{C_DIR}/{name}.c" for name in ("ring", "pump", "ringthread", "copier", "cuda", "ceiling", "fsfiles")]
+C_SOURCES = [f"{C_DIR}/{name}.c"
+             for name in ("ring", "pump", "ringthread", "copier", "cuda", "ceiling", "identity", "fsfiles")]
 SOURCE = '#include "ukv.h"\n'
 
 

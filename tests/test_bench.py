@@ -714,6 +714,19 @@ def test_the_one_pass_identity_check_agrees_with_identity_words() -> None:
     assert not holds_identity(words, [7, 8, 10, 9])
     words[2, 300] ^= 1 << 40
     assert not holds_identity(words, [7, 8, 9, 10])
+    words[2, 300] ^= 1 << 40
+    words[3, 511] ^= 1  # the last word of the last row
+    assert not holds_identity(words, [7, 8, 9, 10])
+    words[3, 511] ^= 1
+    # bench-mix's form: checked and scrubbed in one pass, so a later load that leaves a row alone fails
+    assert holds_identity(words, [7, 8, 9, 10], scrub=True)
+    assert (words == -1).all()
+    assert not holds_identity(words, [7, 8, 9, 10], scrub=True)
+    stamp_identity(words, [7, 8, 9, 10])
+    words[0, 0] = 0
+    assert not holds_identity(words, [7, 8, 9, 10], scrub=True) and (words == -1).all()  # scrubbed even so
+    with pytest.raises(ValueError, match="4 rows for 3 keys"):
+        holds_identity(words, [7, 8, 9])
 
 
 def test_the_ring_ceiling_reads_the_blocks_in_either_submission_mode_and_keeps_the_faster(tmp_path: Path) -> None:

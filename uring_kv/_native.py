@@ -446,6 +446,14 @@ def mark(array: Any, n: int, bits: Any, value: bool) -> None:
     _lib.ukv_mark(array, n, bits, int(value))
 
 
+def check_identity(addr: int, rows: int, row_words: int, numbers: Sequence[int], scrub: bool) -> bool:
+    """Whether ``rows`` rows of ``row_words`` int64 words at ``addr`` hold the identity pattern of
+    keys ``numbers`` (word w of row i: ``numbers[i] << 32 | w``); with ``scrub``, every word set to
+    all ones afterwards, in the same pass (csrc/identity.c; the GIL is released)."""
+    keys = ffi.new("int64_t[]", list(numbers)) if rows else ffi.NULL
+    return bool(_lib.ukv_check_identity(ffi.cast("uint64_t *", addr), rows, row_words, keys, int(scrub)))
+
+
 def scaled(array: Any, n: int, factor: int) -> Any:
     """A C uint64 array of ``array[i] * factor``."""
     out = ffi.new("uint64_t[]", max(n, 1))

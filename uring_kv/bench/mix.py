@@ -225,9 +225,7 @@ class _Rows:
 def _check_and_scrub(words: np.ndarray, disk_blocks: list[int]) -> bool:
     from uring_kv.bench.workload import holds_identity
 
-    ok = holds_identity(words, disk_blocks)
-    words.fill(-1)
-    return ok
+    return holds_identity(words, disk_blocks, scrub=True)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from uring_kv._memory import HostBuffer
+from uring_kv._native import check_identity
 from uring_kv.bench.config import BenchConfig, batches_for
 
 if TYPE_CHECKING:
@@ -41,12 +42,19 @@ def stamp_identity(words: np.ndarray, numbers: list[int]) -> None:
     np.bitwise_or(_word_numbers(words.shape[1]), (np.array(numbers, dtype=np.int64) << 32)[:, None], out=words)
 
 
-def holds_identity(words: np.ndarray, numbers: list[int]) -> bool:
-    """Whether every word of every row of ``words`` holds what :func:`stamp_identity` writes there
-    (one pass, nothing the size of the rows built first: cheap enough to check every row a bench
-    moves without slowing what it measures)."""
-    high = (np.array(numbers, dtype=np.int64) << 32)[:, None]
-    return bool(((words ^ _word_numbers(words.shape[1])) == high).all())
+def holds_identity(words: np.ndarray, numbers: list[int], scrub: bool = False) -> bool:
+    """Whether every word of every row of ``words`` ([len(numbers), n] int64) holds what
+    :func:`stamp_identity` writes there; with ``scrub``, every word is set to -1 afterwards (so a
+    later load that leaves a row alone is caught). One pass in C, the GIL released, nothing the size
+    of the rows built: cheap enough to check every row a bench moves without slowing what it
+    measures."""
+    if len(words) != len(numbers):
+        raise ValueError(f"{len(words)} rows for {len(numbers)} keys")
+    if not words.flags.c_contiguous or words.dtype != np.int64:
+        if scrub:
+            raise ValueError("scrubbing needs C-contiguous int64 rows")
+        words = np.ascontiguousarray(words, dtype=np.int64)
+    return check_identity(words.ctypes.data, len(numbers), words.shape[1] if words.ndim > 1 else 0, numbers, scrub)
 
 
 class Workload:

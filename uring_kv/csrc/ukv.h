@@ -17,6 +17,7 @@
  *   cuda.c     the CUDA driver, resolved at run time: block copies (batched, per piece, staged),
  *              contexts and events
  *   ceiling.c  the bench's disk ceiling: block I/Os in a C loop, no Python
+ *   identity.c the benches' check (and scrub) of the identity pattern in the rows they loaded
  *   fsfiles.c  the bench's port of vLLM's fs tier block I/O: a file per block, a batch per call
  *
  * Every function batches a loop that would otherwise cost one Python->C call per item: submit N
@@ -338,6 +339,10 @@ void ukv_cuda_stream_drain(uint64_t stream);
 
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
                       const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
+
+/* ---- identity.c -------------------------------------------------------------------------------- */
+
+int ukv_check_identity(uint64_t *words, uint64_t rows, uint64_t row_words, const int64_t *numbers, int scrub);
 
 /* ---- fsfiles.c --------------------------------------------------------------------------------- */
 
