@@ -23,12 +23,13 @@ The file is sparse: other files on the filesystem can still take the room later,
 
 O_DIRECT is probed with a real aligned write and read (on a scratch unnamed file beside a kept
 file, whose bytes must not be touched): some filesystems accept the flag at ``open`` and fail the
-first I/O (overlayfs, FUSE, some NFS). Offsets and lengths keep ``alignment`` (the larger of what
-statx reports, at least 512); memory may need less (``memory_alignment``: NVMe reads into any
-4-byte-aligned buffer): statx's memory alignment where it reports one, else what the probe finds
-(a read into a buffer 8 bytes off a page: tmpfs takes it, its O_DIRECT is the page cache's copy).
-The engine reads straight into cache rows that keep it. This module does blocking syscalls: call it off the event
-loop (the engine uses ``to_thread``).
+first I/O (overlayfs, FUSE, some NFS). Offsets, lengths and buffers keep ``alignment`` (the larger
+of what statx reports, at least 512), except buffers on tmpfs, whose O_DIRECT is the page cache's
+copy: there ``memory_alignment`` is 8 where the probe's read into a buffer 8 bytes past a page
+works (elsewhere it is ``alignment``: a block device's own rule can be smaller, NVMe's is 4 bytes,
+but rows off a page split its requests, and other filesystems may take a misaligned read by
+quietly going through the page cache). The engine reads straight into cache rows that keep it.
+This module does blocking syscalls: call it off the event loop (the engine uses ``to_thread``).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class BlockFile:
             if direct is not False:
                 self.direct, self.reason, probed = self._try_direct()
                 if self.direct:
-                    self.memory_alignment = reported[0] if reported and reported[0] else probed
+                    self.memory_alignment = probed
                 if direct and not self.direct:
                     raise OSError(errno.EINVAL, f"O_DIRECT requested but unusable on {self.path}: {self.reason}")
             size = self.stride * num_blocks
@@ -282,10 +283,12 @@ def _probe_direct(fd: int, alignment: int) -> tuple[bool, str, int]:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
     except OSError as exc:
         return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})", 1
-    probe = HostBuffer(round_up(max(alignment, PROBE_SPAN), 4096) + 4096)
+    page = os.sysconf("SC_PAGE_SIZE")
+    span = round_up(2 * page, alignment)  # across pages (one sector misaligned may pass where more does not)
+    probe = HostBuffer(round_up(max(alignment, span), page) + page)
     try:
         _probe_io(fd, probe, alignment)
-        memory = PROBE_MISALIGNMENT if _reads_misaligned(fd, probe, round_up(PROBE_SPAN, alignment)) else alignment
+        memory = PROBE_MISALIGNMENT if _on_tmpfs(fd) and _reads_misaligned(fd, probe, span) else alignment
     except OSError as exc:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
         return False, f"O_DIRECT probe I/O failed ({errno.errorcode.get(exc.errno or 0, exc.errno)})", 1
@@ -296,24 +299,35 @@ def _probe_direct(fd: int, alignment: int) -> tuple[bool, str, int]:
 
 
 PROBE_MISALIGNMENT = 8  # the buffer address the memory probe tries: 8 bytes past a page
-# ... for a read this long (across pages: ext4 on this machine's virtual disk takes a misaligned
-# read of one 512-byte sector and refuses one of 4 KiB)
-PROBE_SPAN = 8192
+TMPFS_MAGIC = 0x01021994  # statfs(2)'s f_type of tmpfs
+
+
+def _on_tmpfs(fd: int) -> bool:
+    """Whether ``fd``'s file is on tmpfs (fstatfs's f_type; False where it cannot be told)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux), f_type first
+    if _libc.fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value == TMPFS_MAGIC
 
 
 def _reads_misaligned(fd: int, buf: HostBuffer, length: int) -> bool:
     """Whether an O_DIRECT read of ``length`` bytes at offset 0 into ``buf`` + PROBE_MISALIGNMENT
-    works and reads what an aligned write put there."""
+    works and reads what an aligned write put there (False if anything of it fails)."""
     pattern = bytes((i * 11 + 3) & 0xFF for i in range(256)) * (length // 256)
     buf.view[:length] = pattern
-    if os.pwritev(fd, [buf.view[:length]], 0) != length:
-        raise OSError(errno.EIO, "short O_DIRECT probe write")
     at = buf.view[PROBE_MISALIGNMENT:PROBE_MISALIGNMENT + length]
-    at[:] = bytes(length)
     try:
+        if os.pwritev(fd, [buf.view[:length]], 0) != length:
+            return False
+        at[:] = bytes(length)
         return os.preadv(fd, [at], 0) == length and at == pattern
-    except OSError:  # EINVAL where the address must be aligned; nothing to learn from another error either
+    except OSError:  # EINVAL where the address must be aligned; ENOSPC for the write: no answer either way
         return False
+    finally:
+        at.release()
 
 
 def _open_kept(path: str) -> tuple[int, int, bool]:

@@ -101,8 +101,8 @@ def make_plan(tuning: Tuning, geometry: Geometry, uring: bool, io_reason: str, s
     pumps = uring and tuning.pumps and not g.checksum and (reap_copies or native_copier)
     # CPU-mode pumped loads read straight into the cache tensors from a buffered file, or with
     # O_DIRECT where every piece of every block is aligned memory of an aligned length (page-aligned
-    # host pools as vLLM's and SGLang's everywhere; any torch tensor where the file takes any
-    # 8-byte-aligned buffer: NVMe, tmpfs); IOV_MAX bounds the pieces.
+    # host pools as vLLM's and SGLang's everywhere; torch's own tensors on tmpfs, whose O_DIRECT takes
+    # any 8-byte-aligned buffer); IOV_MAX bounds the pieces.
     # Stores the same way from the rows (a writev each): the copy into the slot goes. A native pump's
     # store counts as enqueued only once it has finished, so no caller sees it done while a write
     # still reads its rows.
