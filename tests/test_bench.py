@@ -725,8 +725,10 @@ def test_the_one_pass_identity_check_agrees_with_identity_words() -> None:
     stamp_identity(words, [7, 8, 9, 10])
     words[0, 0] = 0
     assert not holds_identity(words, [7, 8, 9, 10], scrub=True) and (words == -1).all()  # scrubbed even so
-    with pytest.raises(ValueError, match="4 rows for 3 keys"):
+    with pytest.raises(ValueError, match=r"rows of shape \(4, 512\) for 3 keys"):
         holds_identity(words, [7, 8, 9])
+    with pytest.raises(ValueError, match="rows of shape"):
+        holds_identity(words[0], [7])  # one row, not a row of rows
 
 
 def test_the_ring_ceiling_reads_the_blocks_in_either_submission_mode_and_keeps_the_faster(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime
 import json
 import os
@@ -201,6 +202,9 @@ class _Rows:
         from uring_kv._memory import HostBuffer, view_of
 
         self.config = config
+        # the threads that check and scrub loaded rows: the rows' own, so that closing them waits for
+        # any still running (a call that failed or was cancelled leaves its check running)
+        self.checker = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="bench-mix-check")
         self.buffer = HostBuffer(config.rows * config.block_bytes)
         # views of the address, not of the buffer's own view: the buffer closes whoever still holds them
         self.words = np.frombuffer(view_of(self.buffer.addr, self.buffer.size), dtype=np.int64).reshape(
@@ -217,7 +221,13 @@ class _Rows:
         return torch.frombuffer(view_of(self.buffer.addr, self.buffer.size), dtype=torch.uint8).view(
             self.config.rows, self.config.block_bytes)
 
+    async def check(self, first: int, disk_blocks: list[int]) -> bool:
+        """Rows ``first``.. hold ``disk_blocks``' identity pattern (then scrubbed), on a checker thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.checker, _check_and_scrub, self.words[first:first + len(disk_blocks)], disk_blocks)
+
     def close(self) -> None:
+        self.checker.shutdown(wait=True)  # no check may still write the rows when they are unmapped
         del self.words
         self.buffer.close()
 
@@ -255,8 +265,7 @@ async def _demand(method: Method, rows: _Rows, schedule: list[tuple[float, list[
         first = await groups.get()
         try:
             tally.add(arrival, await method.load(disk_blocks, list(range(first, first + len(disk_blocks)))))
-            tally.verified &= await asyncio.to_thread(_check_and_scrub, rows.words[first:first + len(disk_blocks)],
-                                                      disk_blocks)
+            tally.verified &= await rows.check(first, disk_blocks)
         finally:
             groups.put_nowait(first)
 
@@ -296,7 +305,7 @@ async def _flood(method: Method, rows: _Rows, cls: str, task: int, stop: asyncio
         region = config.prefetch_region
         blocks = [region[n] for n in rng.sample(range(len(region)), count)]
         tally.add(started, await method.prefetch(blocks, row_list))
-        tally.verified &= await asyncio.to_thread(_check_and_scrub, rows.words[first:first + count], blocks)
+        tally.verified &= await rows.check(first, blocks)
 
 
 async def _prefill(method: Method, rows: _Rows) -> None:

@@ -48,13 +48,13 @@ def holds_identity(words: np.ndarray, numbers: list[int], scrub: bool = False) -
     later load that leaves a row alone is caught). One pass in C, the GIL released, nothing the size
     of the rows built: cheap enough to check every row a bench moves without slowing what it
     measures."""
-    if len(words) != len(numbers):
-        raise ValueError(f"{len(words)} rows for {len(numbers)} keys")
-    if not words.flags.c_contiguous or words.dtype != np.int64:
+    if words.ndim != 2 or len(words) != len(numbers):
+        raise ValueError(f"rows of shape {words.shape} for {len(numbers)} keys")
+    if not (words.flags.c_contiguous and words.flags.aligned) or words.dtype != np.int64:
         if scrub:
             raise ValueError("scrubbing needs C-contiguous int64 rows")
         words = np.ascontiguousarray(words, dtype=np.int64)
-    return check_identity(words.ctypes.data, len(numbers), words.shape[1] if words.ndim > 1 else 0, numbers, scrub)
+    return check_identity(words.ctypes.data, len(numbers), words.shape[1], numbers, scrub)
 
 
 class Workload:
