@@ -37,7 +37,7 @@ async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_rea
     caches = id_caches("cpu", blocks=24)
     async with make_engine(caches, 16, num_slots=4, io_depth=1, path=mountpoint / "kv.bin") as engine:
         await store_identity(engine, caches, 16)
-        state.slow_down(0, 8 * engine.file.stride, 0.01, writes=False)
+        state.slow_down(0, 8 * engine.file.stride, 0.05, writes=False)  # 0.35 s of queued reads: room to call
         async with task_group() as tasks:
             prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
             prefetch = tasks.spawn(prefetching, list(range(8)), list(range(16, 24)))
