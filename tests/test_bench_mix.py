@@ -88,6 +88,33 @@ def test_a_load_that_brings_the_wrong_bytes_is_caught(tmp_path: Path, monkeypatc
     assert "verified: NOT ALL" in capsys.readouterr().out
 
 
+def test_closing_the_rows_waits_for_a_check_still_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that failed or was cancelled leaves its check (a worker thread scrubbing the rows)
+    running; the rows are unmapped only once it has finished. Without the wait, close returns while
+    the check still runs (mutation tried: shutdown(wait=False) fails the last assertion)."""
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_check(words: np.ndarray, disk_blocks: list[int]) -> bool:
+        started.set()
+        threading.Event().wait(0.3)
+        finished.set()
+        return True
+
+    monkeypatch.setattr(mix, "_check_and_scrub", slow_check)
+    rows = mix._Rows(_tiny_config(tmp_path))
+
+    async def abandon_a_check() -> None:
+        check = asyncio.ensure_future(rows.check(rows.demand_first, [0, 1]))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        check.cancel()  # as a cancelled demand call leaves it
+
+    asyncio.run(abandon_a_check())
+    assert not finished.is_set()
+    rows.close()
+    assert finished.is_set(), "the rows were closed while a check still ran"
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--rate", "0"], "--rate: must be > 0, got '0'"),
     (["--duration", "soon"], "--duration: expected a number, got 'soon'"),
