@@ -105,6 +105,28 @@ async def test_reserving_allocates_the_whole_file_at_open(tmp_path: Path) -> Non
         assert st.st_size == 64 * stats["stride"] and st.st_blocks * 512 >= st.st_size
 
 
+def test_a_reservation_past_4_gib_is_made_whole_with_o_direct(tmp_path: Path) -> None:
+    """fallocate's offset and length are 64-bit: a 5 GiB file on an O_DIRECT filesystem is reserved
+    whole (the direct probe loading libc first once left fallocate without its argument types, and
+    this reservation failed with EINVAL)."""
+    from uring_kv._file import BlockFile
+    from uring_kv.bench.run import filesystem_of
+
+    if filesystem_of(str(tmp_path)) in ("tmpfs", "ramfs"):
+        pytest.skip("a 5 GiB reservation would take the memory itself here")
+    stats = os.statvfs(tmp_path)
+    if stats.f_bavail * stats.f_frsize < 6 << 30:
+        pytest.skip("less than 6 GiB free here")
+    f = BlockFile(tmp_path / "kv.bin", 1 << 20, 5120, reserve=True)
+    try:
+        if not f.direct:
+            pytest.skip(f"no O_DIRECT here: {f.reason}")
+        assert (f.reserved, f.reserve_reason) == (True, "")
+        assert os.fstat(f.fd).st_blocks * 512 >= 5 << 30
+    finally:
+        f.close()
+
+
 async def test_a_reserved_file_holds_its_room_against_other_files(small_fs: Path) -> None:
     """On a tmpfs: what another process writes after open() cannot take the reserved blocks, so
     a store to the last block still lands."""

@@ -98,15 +98,22 @@ def size_text(nbytes: int) -> str:
 _libc: Any = None
 
 
+def _c() -> Any:
+    """libc through ctypes, loaded once, with the argument types of the calls made here."""
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        libc.fstatfs.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        _libc = libc
+    return _libc
+
+
 def _fallocate(fd: int, length: int) -> None:
     """Allocate bytes [0, length) of ``fd`` (mode 0: the size grows to ``length`` if smaller).
     fallocate(2) itself, not glibc's posix_fallocate, which writes a byte per block on a
     filesystem that cannot reserve instead of saying so."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    if _libc.fallocate(fd, 0, 0, length) != 0:
+    if _c().fallocate(fd, 0, 0, length) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
 
@@ -304,11 +311,8 @@ TMPFS_MAGIC = 0x01021994  # statfs(2)'s f_type of tmpfs
 
 def _on_tmpfs(fd: int) -> bool:
     """Whether ``fd``'s file is on tmpfs (fstatfs's f_type; False where it cannot be told)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux), f_type first
-    if _libc.fstatfs(fd, buf) != 0:
+    if _c().fstatfs(fd, buf) != 0:
         return False
     return ctypes.c_long.from_buffer(buf).value == TMPFS_MAGIC
 
