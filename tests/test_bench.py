@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import rich.console
 import torch
-from tmpfs import mounted_tmpfs
+from tmpfs import mounted_tmpfs, ram_directory
 
 from uring_kv import Engine
 from uring_kv.bench.config import BenchConfig, staging_slots
@@ -291,11 +290,9 @@ def test_the_copy_ceiling_is_no_limit_where_the_engine_makes_no_copy(capsys: pyt
     """On tmpfs (O_DIRECT there takes any buffer) the engine reads straight into torch's cache
     rows and writes straight from them: the copy ceiling, the engine's own copy path, is left out
     of those rows and of their limit, and a note says why."""
-    if filesystem_of("/dev/shm") != "tmpfs":
-        pytest.skip("/dev/shm is not a tmpfs here")
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as directory:
-        out = Path(directory) / "bench.json"
-        assert main(["bench", "--path", directory, "--size", "2M", "--block-size", "64K", "--layers", "4",
+    with ram_directory() as directory:
+        out = directory / "bench.json"
+        assert main(["bench", "--path", str(directory), "--size", "2M", "--block-size", "64K", "--layers", "4",
                      "--batch", "8", "--batches", "1", "--io-depth", "4", "--direct", "--peers", "ceiling",
                      "--no-sweep", "--json", str(out)]) == 0
         result = json.loads(out.read_text())

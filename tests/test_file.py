@@ -6,18 +6,17 @@ import errno
 import fcntl
 import mmap
 import os
-import shutil
 import stat
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tmpfs import direct_read_into, ram_directory
 
 import uring_kv._file as file_module
 from uring_kv._file import BlockFile, round_up
+from uring_kv.bench.run import filesystem_of
 
 
 def test_created_0600_sized_and_nameless(tmp_path: Path) -> None:
@@ -137,41 +136,20 @@ def probe_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
     if request.param == "disk":
         yield tmp_path
         return
-    if not os.path.isdir("/dev/shm") or os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize < 1 << 24:
-        pytest.skip("no /dev/shm with room here")
-    directory = Path(tempfile.mkdtemp(prefix="uring-kv-test-", dir="/dev/shm"))
-    try:
+    with ram_directory() as directory:
         yield directory
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _direct_read_at(directory: Path, misalignment: int, length: int) -> bool:
-    """Whether this filesystem takes an O_DIRECT read of ``length`` bytes (written first) into a
-    buffer ``misalignment`` bytes past a page: the kernel's own answer, independent of BlockFile."""
-    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    """Whether this filesystem takes an O_DIRECT read of ``length`` bytes into a buffer
+    ``misalignment`` bytes past a page."""
     buf = mmap.mmap(-1, 2 * max(length, 4096))
+    at = memoryview(buf)[misalignment:misalignment + length]
     try:
-        buf[:length] = bytes(range(256)) * (length // 256)
-        os.pwrite(fd, buf[:length], 0)
-        os.fsync(fd)
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-        at = memoryview(buf)[misalignment:misalignment + length]
-        try:
-            return os.preadv(fd, [at], 0) == length and bytes(at) == bytes(range(256)) * (length // 256)
-        except OSError as exc:
-            assert exc.errno == errno.EINVAL
-            return False
-        finally:
-            at.release()
+        return direct_read_into(directory, at, bytes(range(256)) * (length // 256))
     finally:
+        at.release()
         buf.close()
-        os.close(fd)
-
-
-def _filesystem(directory: Path) -> str:
-    return subprocess.run(["stat", "-f", "-c", "%T", str(directory)], capture_output=True, text=True,
-                          check=True).stdout.strip()
 
 
 def test_the_memory_alignment_is_8_on_tmpfs_where_the_kernel_takes_it(probe_dir: Path) -> None:
@@ -185,7 +163,7 @@ def test_the_memory_alignment_is_8_on_tmpfs_where_the_kernel_takes_it(probe_dir:
             pytest.skip(f"this filesystem refuses O_DIRECT: {f.reason}")
         span = round_up(2 * os.sysconf("SC_PAGE_SIZE"), f.alignment)
         takes = _direct_read_at(probe_dir, 8, span)
-        assert f.memory_alignment == (8 if takes and _filesystem(probe_dir) == "tmpfs" else f.alignment)
+        assert f.memory_alignment == (8 if takes and filesystem_of(str(probe_dir)) == "tmpfs" else f.alignment)
         assert _direct_read_at(probe_dir, f.memory_alignment, span)
         if probe_dir.is_relative_to("/dev/shm"):
             assert f.memory_alignment == 8

@@ -19,6 +19,7 @@ import torch
 from aio import gather, run_then_cancel, settle, task_group
 from conftest import BOTH_BACKENDS, EngineFactory, use_python_pump
 from faultfs import FaultState
+from tmpfs import direct_read_into, ram_directory
 
 from uring_kv import Engine, _native
 from uring_kv._staging import LeaseState
@@ -505,38 +506,19 @@ async def test_rows_off_a_page_are_read_straight_into_where_the_kernel_takes_the
     into (and writes straight from) such rows on tmpfs, where an O_DIRECT read into them works (its
     O_DIRECT is the page cache's copy), and not on a disk (this machine's refuses such buffers);
     the bytes are right either way."""
+    import contextlib
     import ctypes
-    import fcntl
-    import shutil
-    import tempfile
 
-    directory = tmp_path
-    if where == "tmpfs":
-        if not os.path.isdir("/dev/shm"):
-            pytest.skip("no /dev/shm here")
-        directory = Path(tempfile.mkdtemp(prefix="uring-kv-test-", dir="/dev/shm"))
     rows, row = 16, 8192
     # 64 bytes past a page, as torch's allocator usually places them (it only promises 64)
     memory = torch.zeros(rows * row + 4096, dtype=torch.int8)
     skip = (64 - memory.data_ptr()) % 4096
     caches = {"rows": memory[skip:skip + rows * row].view(rows, row)}
     source = torch.randint(-128, 127, (32, row), dtype=torch.int8)
-    try:
+    with ram_directory() if where == "tmpfs" else contextlib.nullcontext(tmp_path) as directory:
         # the kernel's own answer: an O_DIRECT read of a block into row 1
-        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
-        try:
-            os.pwrite(fd, source[0].numpy().tobytes(), 0)
-            os.fsync(fd)
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-            target = (ctypes.c_char * row).from_address(caches["rows"][1].data_ptr())
-            try:
-                takes = os.preadv(fd, [memoryview(target).cast("B")], 0) == row
-            except OSError:
-                takes = False
-        finally:
-            os.close(fd)
-        if takes:
-            assert torch.equal(caches["rows"][1], source[0])
+        target = memoryview((ctypes.c_char * row).from_address(caches["rows"][1].data_ptr())).cast("B")
+        takes = direct_read_into(directory, target, source[0].numpy().tobytes())
         if where == "tmpfs":
             assert takes, "tmpfs refused an O_DIRECT read into a row off a page"
         async with Engine(caches, directory / "kv.bin", 32, 4) as engine:
@@ -552,9 +534,6 @@ async def test_rows_off_a_page_are_read_straight_into_where_the_kernel_takes_the
                 caches["rows"].zero_()
                 await engine.load_batch(disk, list(range(rows)))
                 assert torch.equal(caches["rows"], source[disk])
-    finally:
-        if where == "tmpfs":
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.parametrize("aligned", [True, False])

@@ -1,13 +1,17 @@
 """Small real filesystems for the space tests of every suite (main, vLLM, SGLang, LMCache): a
 tmpfs of a given size mounted for a block, and a filler that takes its free space as another
-process would."""
+process would; a directory on /dev/shm, and the kernel's own answer to an O_DIRECT read into a
+given buffer there or anywhere."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +33,43 @@ def mounted_tmpfs(mountpoint: Path, options: str = "size=1m") -> Iterator[Path]:
         yield mountpoint
     finally:
         subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+@contextlib.contextmanager
+def ram_directory() -> Iterator[Path]:
+    """A fresh directory on /dev/shm for the block, removed after; the test is skipped, with the
+    reason, where /dev/shm is not a tmpfs with 16 MiB free."""
+    from uring_kv.bench.run import filesystem_of
+
+    if filesystem_of("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    stats = os.statvfs("/dev/shm")
+    if stats.f_bavail * stats.f_frsize < 1 << 24:
+        pytest.skip("/dev/shm has less than 16 MiB free")
+    directory = Path(tempfile.mkdtemp(prefix="uring-kv-test-", dir="/dev/shm"))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def direct_read_into(directory: Path, target: memoryview, data: bytes) -> bool:
+    """Whether the filesystem of ``directory`` takes an O_DIRECT read of ``data`` (written first,
+    buffered, to an unnamed file there) into ``target``, and it brings those bytes: the kernel's
+    own answer, independent of uring_kv. False where it refuses the buffer (EINVAL)."""
+    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        try:
+            return os.preadv(fd, [target], 0) == len(data) and bytes(target) == data
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return False
+    finally:
+        os.close(fd)
 
 
 def take_space(directory: Path, leave: int = 0) -> Path:
