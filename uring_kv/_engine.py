@@ -233,7 +233,7 @@ class Engine(OpenClose):
                               self._hazards, self._metrics, self._pressure, self._trace)
 
     def _geometry(self, file: BlockFile) -> Geometry:
-        # a row's address needs the file's memory alignment, its length the offset alignment
+        # a row's address needs the file's memory alignment, its length the file's alignment
         align, memory, layout = file.alignment, file.memory_alignment, self.layout
         rows_aligned = all(int(t.data_ptr()) % memory == 0 and nbytes % align == 0
                            for t, nbytes in zip(layout.tensors, layout.tensor_block_bytes, strict=True))

@@ -26,7 +26,7 @@ PUMP_SCATTER_MAX_TENSORS = 1024  # IOV_MAX: the most iovecs one readv takes
 class Geometry:
     """What decides an engine's data path besides its tuning: the caches (``gpu``, ``tensors``,
     ``block_bytes``: one block of every tensor; ``rows_aligned``: every tensor's rows start on the
-    file's memory alignment and are a multiple of its offset alignment long), the file
+    file's memory alignment and are a multiple of its alignment long), the file
     (``direct``, ``stride``: a block's bytes in it), the slots (``num_slots``, ``io_depth``),
     ``checksum`` and ``slowed`` (a ``copy_delay`` for tests)."""
 

@@ -240,8 +240,8 @@ static int io_may_start(const struct ukv_ring *r, int queued) { return ring_has_
 
 /* Start the pump's next block in the idle slot s it holds: a store with a copier (not writing from
  * the caches) first queues the block's copy into the slot; anything else starts the block's I/O
- * (after a memcpy into the slot for a store with neither), or parks the slot while there is no room (io_may_start). 0, or -EBUSY
- * when no SQE could be had (nothing started). */
+ * (after a memcpy into the slot for a store with neither), or parks the slot while there is no
+ * room (io_may_start). 0, or -EBUSY when no SQE could be had (nothing started). */
 static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int queued) {
     int copy_first = p->write && p->copier && !p->slot_iov;
     if (!copy_first && !io_may_start(r, queued)) {
