@@ -42,7 +42,6 @@ import fcntl
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
 from typing import Any
 
 from uring_kv._memory import HostBuffer
@@ -116,14 +115,6 @@ def _fallocate(fd: int, length: int) -> None:
     if _c().fallocate(fd, 0, 0, length) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
-
-
-@dataclass(frozen=True)
-class FileReport:
-    direct: bool
-    alignment: int
-    memory_alignment: int  # what O_DIRECT needs of a buffer's address (1 on a buffered file)
-    reason: str  # why buffered I/O is used ('' when direct)
 
 
 class BlockFile:
@@ -238,10 +229,6 @@ class BlockFile:
             except OSError as exc:
                 return False, f"O_DIRECT refused by the filesystem ({errno.errorcode.get(exc.errno or 0)})", 1
         return usable, reason, memory
-
-    @property
-    def report(self) -> FileReport:
-        return FileReport(self.direct, self.alignment, self.memory_alignment, self.reason)
 
     def offset(self, disk_block: int) -> int:
         return disk_block * self.stride
