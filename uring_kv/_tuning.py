@@ -34,6 +34,12 @@ COPIER_POLL_US = 200
 COPIER_POLL_MAX_US = 1_000_000  # a second: beyond it a thread would rather sleep
 
 
+def _cores_to_spare(cpus: int | None) -> bool:
+    """Whether the process may run on RING_THREAD_CPUS CPUs or more (``cpus``: how many; default:
+    its affinity): where the automatic settings give a thread a core of its own."""
+    return (cpus if cpus is not None else len(os.sched_getaffinity(0))) >= RING_THREAD_CPUS
+
+
 def _count(env: Mapping[str, str], name: str, default: int, what: str = "a count") -> int:
     raw = env.get(name)
     if raw is None:
@@ -146,7 +152,7 @@ class Tuning:
         fewer CPUs the loop, the thread, the copier and io-wq's workers wait for each other."""
         if self.ring_thread != "auto":
             return self.ring_thread == "on"
-        return (cpus if cpus is not None else len(os.sched_getaffinity(0))) >= RING_THREAD_CPUS
+        return _cores_to_spare(cpus)
 
     def copier_poll(self, cpus: int | None = None) -> int:
         """µs the native copier's threads poll before they sleep: ``copier_poll_us``, or (None)
@@ -156,7 +162,7 @@ class Tuning:
         others wait for."""
         if self.copier_poll_us is not None:
             return self.copier_poll_us
-        return COPIER_POLL_US if (cpus if cpus is not None else len(os.sched_getaffinity(0))) >= RING_THREAD_CPUS else 0
+        return COPIER_POLL_US if _cores_to_spare(cpus) else 0
 
     @staticmethod
     def copies_inline(num_slots: int, stride: int) -> bool:
