@@ -9,6 +9,7 @@ import logging
 import os
 import platform
 import random
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -256,3 +257,11 @@ def release_on_submit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(PyPump, "_enqueue_copies", enqueue_then_release)
     monkeypatch.setattr(PyPump, "_on_copied", on_copied)
     monkeypatch.setattr(PyPump, "finished", property(finished))
+
+
+async def until(condition: Callable[[], object], seconds: float = 5.0) -> None:
+    """Yield to the loop until ``condition()`` holds; fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.002)

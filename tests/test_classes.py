@@ -10,17 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import EngineFactory
+from conftest import EngineFactory, until
 
 from uring_kv import BlockStore, Prefetch, SyncBlockStore
 from uring_kv.testing import fill, id_caches, identify, store_identity
-
-
-async def until(condition: Any, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.002)
 
 
 async def test_a_demand_load_overtakes_the_prefetches_and_stores_waiting_before_it(

@@ -8,7 +8,7 @@ import errno
 from pathlib import Path
 
 import pytest
-from conftest import EngineFactory
+from conftest import EngineFactory, until
 from prometheus_client import CollectorRegistry, generate_latest
 
 from uring_kv import BlockStore, EngineBusyError
@@ -21,11 +21,6 @@ BLOCK = 4 * ELEMS * 4  # bytes of a block of id_caches' 4 int32 tensors
 BUDGET = 3 * BLOCK  # two blocks fit, four do not
 
 
-async def until(condition, seconds: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.002)
 
 
 async def test_a_call_is_queued_until_its_first_block_starts_then_in_flight_until_it_ends(
