@@ -173,7 +173,9 @@ unsigned ukv_ring_take_job_fails(struct ukv_ring *r, int32_t *rcs, int32_t *wher
 const char *ukv_liburing_version(void);
 int ukv_dio_align(int fd, uint32_t *mem_align, uint32_t *offset_align);
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
-                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
+                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async,
+                      unsigned ntensors, const uint64_t *bases, const uint64_t *row_bytes,
+                      const int64_t *cache_blocks);
 int ukv_check_identity(uint64_t *words, uint64_t rows, uint64_t row_words, const int64_t *numbers, int scrub);
 unsigned ukv_fs_store_blocks(const char *const *tmp_paths, const char *const *dest_paths, const uint64_t *bufs,
                              unsigned n, uint64_t size, int o_direct, int *err);

@@ -484,14 +484,25 @@ def dio_alignment(fd: int) -> tuple[int, int] | None:
 
 def ring_loop(
     fd: int, write: bool, depth: int, block_bytes: int, offsets: Sequence[int], buf_addr: int, fixed: bool,
-    async_io: bool = False,
+    async_io: bool = False, rows: tuple[BlockCopier, Sequence[int]] | None = None,
 ) -> int:
     """Run the C ceiling loop; returns elapsed nanoseconds. ``buf_addr`` holds depth × block_bytes;
-    ``async_io``: IOSQE_ASYNC on every SQE (the kernel's io-wq workers do the I/O)."""
+    ``async_io``: IOSQE_ASYNC on every SQE (the kernel's io-wq workers do the I/O). ``rows``: (the
+    caches' table, a cache block per offset): each I/O moves that cache block's rows instead, a readv
+    (writev) of one iovec per tensor, as the engine's pumps do (``block_bytes``, ``buf_addr`` and
+    ``fixed`` are then unused)."""
     arr = ffi.new("uint64_t[]", list(offsets))
+    ntensors, bases, row_bytes, cache = 0, ffi.NULL, ffi.NULL, ffi.NULL
+    if rows is not None:
+        table, cache_blocks = rows
+        if len(cache_blocks) != len(offsets):
+            raise ValueError(f"{len(cache_blocks)} cache blocks for {len(offsets)} offsets")
+        ntensors, bases, row_bytes, _ = table.c_table()
+        block_bytes, buf_addr, fixed = table.bytes_per_block, 0, False
+        cache = ffi.new("int64_t[]", list(cache_blocks))
     return _check(
         _lib.ukv_ring_loop(fd, int(write), depth, block_bytes, arr, len(offsets), buf_addr, int(fixed),
-                           int(async_io)),
+                           int(async_io), ntensors, bases, row_bytes, cache),
         "ring ceiling loop",
     )
 

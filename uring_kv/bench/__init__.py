@@ -15,7 +15,7 @@ module, each importing only those before it:
 - ``lagprobe``: the loop-lag probe (a process writing to a pipe the loop watches);
 - ``measure``: the rotation of the methods over the batches, with the heap frozen;
 - ``peers``: ports of vLLM's DiskBackend, a thread pool and KvikIO;
-- ``ceilings``: the ring ceiling, fio, the PCIe ceiling, and the ring's depth sweep;
+- ``ceilings``: the ring, copy, rows and PCIe ceilings, fio, and the ring's depth sweep;
 - ``run``: one run over the block sizes and cases, to the JSON result;
 - ``report``: the header, verdict, sizing advice, table and plot.
 

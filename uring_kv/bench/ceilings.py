@@ -10,6 +10,12 @@
   alone, reading or writing the pinned slots over the bus): the H2D (loads) and D2H (stores)
   ceiling; in CPU mode the memcpy of the host copier. A load cannot go faster than the lower of
   this and the ring ceiling.
+* ``rows ceiling``: where the engine moves the cache rows itself (CPU mode's pumps reading each
+  block straight into its rows, writing it straight from them: no copy of its own, so no copy
+  ceiling), the ring ceiling's C loop doing exactly those I/Os: a readv (writev) of one iovec per
+  tensor between the file and the rows, at the same depth, no Python. Landing bytes in rows spread
+  over the cache tensors costs more than filling one small buffer the ring ceiling reuses; a load
+  or store cannot go faster than this.
 * ``pcie ceiling``: 1 GiB copies between pinned host memory and the GPU, each way (GPU only).
 
 The depth sweep times the ring ceiling's loads at each of :data:`DEPTHS`; :func:`recommend_depth`
@@ -24,6 +30,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,11 +69,7 @@ class RingCeiling:
     def run_measured(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
         """The C loop's seconds and the process's CPU seconds during it (a store's keeping and
         putting back of the blocks' bytes, below, is neither)."""
-        if store not in self.modes:
-            timed = {mode: self._once(store, disk_blocks, mode) for mode in (False, True)}
-            self.modes[store] = min(timed, key=lambda mode: timed[mode][0])
-            return timed[self.modes[store]]
-        return self._once(store, disk_blocks, self.modes[store])
+        return _faster_mode(self.modes, store, lambda mode: self._once(store, disk_blocks, mode))
 
     def _once(self, store: bool, disk_blocks: list[int], async_io: bool) -> tuple[float, float]:
         offsets = [d * self.stride for d in disk_blocks]
@@ -92,6 +95,50 @@ class RingCeiling:
 
     def close(self) -> None:
         self.buffer.close()
+
+
+def _faster_mode(modes: dict[bool, bool], store: bool,
+                 once: Callable[[bool], tuple[float, float]]) -> tuple[float, float]:
+    """``once(async_io)`` in the submission mode ``modes`` holds for the operation; the first time,
+    in both modes, keeping the faster in ``modes`` (and its timing)."""
+    if store not in modes:
+        timed = {mode: once(mode) for mode in (False, True)}
+        modes[store] = min(timed, key=lambda mode: timed[mode][0])
+        return timed[modes[store]]
+    return once(modes[store])
+
+
+class RowsCeiling:
+    """The ring ceiling where the engine moves the cache rows itself (see the module docstring):
+    the same C loop and depth, each I/O a readv (writev) of block ``b``'s rows of every tensor of
+    ``caches`` (``block_bytes[t]`` bytes at ``b * block_bytes[t]`` of tensor t). Its loads land in the
+    caches and its stores write the file, checked like any method's. The submission mode is chosen
+    as the ring ceiling's (:attr:`modes`)."""
+
+    def __init__(self, caches: list[torch.Tensor], block_bytes: list[int], fd: int, stride: int, depth: int) -> None:
+        self.fd, self.stride, self.depth = fd, stride, depth
+        self.table = BlockCopier([t.data_ptr() for t in caches], block_bytes, [0] * len(caches))
+        self.modes: dict[bool, bool] = {}
+
+    @property
+    def description(self) -> str:
+        said = {False: "inline", True: "IOSQE_ASYNC (io-wq)"}
+        return "the ring's C loop, a readv (writev) per block straight into (from) the cache rows; " + ", ".join(
+            f"{'stores' if store else 'loads'} {said[mode]}" for store, mode in sorted(self.modes.items()))
+
+    def run_measured(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
+        """The C loop's seconds and the process's CPU seconds during it."""
+        return _faster_mode(self.modes, store, lambda mode: self._once(store, disk_blocks, gpu_blocks, mode))
+
+    def _once(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int], async_io: bool) -> tuple[float, float]:
+        offsets = [d * self.stride for d in disk_blocks]
+        cpu0 = process_cpu_seconds()
+        elapsed = ring_loop(self.fd, store, self.depth, 0, offsets, 0, False, async_io,
+                            rows=(self.table, gpu_blocks)) / 1e9
+        return elapsed, process_cpu_seconds() - cpu0
+
+    def close(self) -> None:
+        pass
 
 
 class CopyCeiling:

@@ -16,7 +16,7 @@ from uring_kv.bench.results import LIMIT_CEILINGS, kind_of
 # What each peer is called in the verdict
 LABELS = {"vllm-disk": "vLLM DiskBackend"}  # threadsN and kvikioN: see _label
 # the ceilings the verdict names, as it names them
-LIMITS = {"ring ceiling": "disk limit", "copy ceiling": "copy limit", "fio": "fio"}
+LIMITS = {"ring ceiling": "disk limit", "copy ceiling": "copy limit", "rows ceiling": "rows limit", "fio": "fio"}
 LAG_TARGET_MS = (1.0, 0.2)  # max, p99: the loop-lag targets
 WIDTH = 100  # the output fits this many columns
 
@@ -91,7 +91,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
         if mine is None:
             continue
         ratios = mine["ratios"]
-        # the binding one of the ring and copy ceilings (the lower: its share is the larger), and fio
+        # the binding one of the ring, copy and rows ceilings (the lowest: its share is the largest), and fio
         binding = [m for m in LIMIT_CEILINGS if m in ratios]
         shown = [max(binding, key=lambda m: ratios[m])] if binding else []
         parts = [f"{ratios[m]:.2f} of {limits[m]}" for m in limits if m in ratios and (m in shown or m == "fio")]
@@ -157,7 +157,7 @@ def _render_run(result: dict[str, Any], console: Any, verbose: bool) -> None:
     for line in verdict(result):
         say(line)
     say("N× = uring_kv's GB/s ÷ the method's (a ceiling's row: the share of it uring_kv reached); 'of limit' = "
-        "each method's share of the lower of the ring and copy ceilings; core-s/GB = the process's CPU seconds "
+        "each method's share of the lowest of the ring, copy and rows ceilings; core-s/GB = the process's CPU seconds "
         "(every thread) per GB moved; lag ms = the event loop's longest lag", style="dim")
     table = Table(box=box.SIMPLE, pad_edge=False, padding=(0, 1), collapse_padding=True)
     columns = ["block", "case", "op", "method", "GB/s", "uring_kv", "of limit", "p99 ms", "core-s/GB", "lag ms", "ok"]
@@ -181,7 +181,7 @@ def _render_run(result: dict[str, Any], console: Any, verbose: bool) -> None:
                  "blocks/s": f"{row['blocks_per_s']:.0f}", "p50 ms": f"{row['p50_ms']:.2f}",
                  "CPU s": f"{row['cpu_s']:.2f}", "lag p99 ms": f"{row['lag_p99_ms']:.3f}",
                  "core-s/GB": f"{row.get('core_s_per_gb', 0.0):.3f}"}
-        if row["kind"] == "ceiling" and row["method"] not in ("ring ceiling", "copy ceiling"):
+        if row["kind"] == "ceiling" and row["method"] not in ("ring ceiling", "copy ceiling", "rows ceiling"):
             for key in ("p99 ms", "lag ms", "p50 ms", "CPU s", "lag p99 ms", "core-s/GB"):
                 cells[key] = ""
         table.add_row(*(cells[c] for c in columns))

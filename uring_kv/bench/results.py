@@ -33,7 +33,7 @@ class Row:
     ratios: dict[str, float] = field(default_factory=dict)
     lag_samples: int = 0  # probe samples behind lag_max_ms / lag_p99_ms (1 per ms of the row's batches)
     core_s_per_gb: float = 0.0  # cpu_s per GB moved (0: not measured in this process, e.g. fio)
-    # GB/s ÷ the lower of the ring and copy ceilings on the same operation, case and block size: the
+    # GB/s ÷ the lowest of the ring, copy and rows ceilings on the same operation, case and block size: the
     # share of what this machine allows (None: a ceiling's own row, or no ceiling measured)
     of_limit: float | None = None
     lag_ms: list[float] = field(default_factory=list, repr=False)  # those samples (pooled per run, not in the JSON)
@@ -60,8 +60,10 @@ class BatchRow:
                    percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3, len(times), verified, **extra)
 
 
-CEILINGS = ("ring ceiling", "copy ceiling", "fio", "pcie ceiling")
-LIMIT_CEILINGS = ("ring ceiling", "copy ceiling")  # a load or store cannot beat the lower of the two
+CEILINGS = ("ring ceiling", "copy ceiling", "rows ceiling", "fio", "pcie ceiling")
+# a load or store cannot beat the lowest of these (the copy ceiling where the engine copies, the rows
+# ceiling where it moves the cache rows itself: never both on one operation)
+LIMIT_CEILINGS = ("ring ceiling", "copy ceiling", "rows ceiling")
 
 
 def process_cpu_seconds() -> float:
@@ -88,7 +90,7 @@ def ratios(rows: list[Row]) -> None:
     """``ratios[X]`` of a uring_kv row: its GB/s ÷ X's on the same operation, case and block size
     (the PCIe ceiling: on the same operation). Above 1: uring_kv moved the bytes faster; for a
     ceiling, the fraction of that limit uring_kv reached. ``of_limit`` of every method's row: its
-    GB/s ÷ the lower of the ring and copy ceilings there."""
+    GB/s ÷ the lowest of the ring, copy and rows ceilings there."""
     for row in rows:
         limits = [other.gbps for other in rows if other.method in LIMIT_CEILINGS and other.gbps
                   and (other.op, other.case, other.block_bytes) == (row.op, row.case, row.block_bytes)]

@@ -86,20 +86,22 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             methods: dict[str, Method] = {"uring_kv": uring_kv}
             closing = _Closing()
             try:
-                ring = _add_peers(config, work, engine, methods, closing, extra)
+                ring, rows_ceiling = _add_peers(config, work, engine, methods, closing, extra)
                 if config.checksum:
                     methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
                 ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
                 # where the engine reads straight into the cache rows (writes straight from them) it
-                # makes no copy of its own: the copy ceiling is no limit of it there, and is left out
+                # makes no copy of its own: the copy ceiling is no limit of it there, and is left out;
+                # the rows ceiling (the ring's loop doing those I/Os) is its limit, and runs only there
                 uncopied = [op for op in ops if stats["loads_into_caches" if op == "load" else "stores_from_caches"]]
                 if uncopied and "copy ceiling" in methods:
                     extra["notes"][f"copy ceiling, {case}"] = (
                         f"left out for {' and '.join(op + 's' for op in uncopied)}: the engine moves those bytes "
-                        "between the file and the cache rows itself, with no copy of its own")
+                        "between the file and the cache rows itself, with no copy of its own (see the rows ceiling)")
                 for op in ops:
                     run = {name: method for name, method in methods.items()
-                           if not (name == "copy ceiling" and op in uncopied)}
+                           if not (name == "copy ceiling" and op in uncopied)
+                           and not (name == "rows ceiling" and op not in uncopied)}
                     progress(f"{block_bytes >> 10} KiB {case} {op}: {', '.join(run)} (rotating)")
                     engine.delivery_times(clear=True)
                     engine.slot_phases(clear=True)
@@ -123,6 +125,8 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
                 extra[case]["pumped_batches"] = engine.stats()["pumped_batches"]
                 if ring is not None:
                     extra[case]["ring_ceiling"] = ring.description  # the faster submission mode per operation
+                if rows_ceiling is not None and rows_ceiling.modes:
+                    extra[case]["rows_ceiling"] = rows_ceiling.description
             finally:
                 closing.close()
     if "fio" in config.peers and not ceilings.fio_path():
@@ -134,8 +138,9 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
 
 
 def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dict[str, Method], closing: _Closing,
-               extra: dict[str, Any]) -> ceilings.RingCeiling | None:
-    """The peers asked for, on the engine's file and the bench's caches; the ring ceiling among them."""
+               extra: dict[str, Any]) -> tuple[ceilings.RingCeiling | None, ceilings.RowsCeiling | None]:
+    """The peers asked for, on the engine's file and the bench's caches; the ring ceiling and (where
+    the engine moves the cache rows itself) the rows ceiling among them."""
     fd, stride = engine.fileno(), engine.stats()["stride"]
     if "vllm-disk" in config.peers:
         vllm = closing.add(peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride))
@@ -163,8 +168,13 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
         else:
             extra["notes"]["copy ceiling"] = copies.description
             methods["copy ceiling"] = functools.partial(_in_thread_timed, copies.run_measured)
-        return ceiling
-    return None
+        rows = None
+        stats = engine.stats()
+        if stats["loads_into_caches"] or stats["stores_from_caches"]:
+            rows = closing.add(ceilings.RowsCeiling(work.caches, work.slot_layout()[0], fd, stride, engine.io_depth))
+            methods["rows ceiling"] = functools.partial(_in_thread_timed, rows.run_measured)
+        return ceiling, rows
+    return None, None
 
 
 def _reopenable(fd: int) -> str:

@@ -1,16 +1,32 @@
-/* The bench's ring ceiling: what the disk gives through io_uring at the bench's depth, with no Python
- * and no copies (docs/performance.md, "Ceilings"). */
+/* The bench's ring and rows ceilings: what the disk gives through io_uring at the bench's depth, with
+ * no Python and no copies, into one small buffer or straight into the cache rows (docs/performance.md,
+ * "Ceilings"). */
 #include "ukv.h"
 
 /* n block I/Os at the given offsets, `depth` in flight, buffers at buf_base + slot * block_bytes
  * (registered when `fixed`; IOSQE_ASYNC on every SQE when `async`: the kernel's work goes to its
  * io-wq workers instead of running inside io_uring_enter on this thread, which on a RAM-backed file
- * is one thread copying every byte). Returns elapsed ns or -errno (a failed or short I/O included). */
+ * is one thread copying every byte). With `ntensors` > 0 the I/Os move the cache rows instead of a
+ * buffer, as the engine's pumps do where they read straight into the caches: I/O i is a readv
+ * (writev) of one iovec per tensor t, row_bytes[t] bytes at bases[t] + cache_blocks[i] *
+ * row_bytes[t] (buf_base and `fixed` unused). Returns elapsed ns or -errno (a failed or short I/O
+ * included). */
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
-                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async) {
+                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async,
+                      unsigned ntensors, const uint64_t *bases, const uint64_t *row_bytes,
+                      const int64_t *cache_blocks) {
+    struct iovec *iovs = NULL;
+    if (ntensors) {
+        iovs = calloc((size_t)depth * ntensors, sizeof *iovs);
+        if (!iovs) return -ENOMEM;
+        fixed = 0;
+    }
     struct io_uring ring;
     int ret = io_uring_queue_init(depth, &ring, 0);
-    if (ret < 0) return ret;
+    if (ret < 0) {
+        free(iovs);
+        return ret;
+    }
     if (fixed) {
         struct iovec iov = {(void *)(uintptr_t)buf_base, block_bytes * depth};
         if (io_uring_register_buffers(&ring, &iov, 1) < 0) fixed = 0;
@@ -26,7 +42,14 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
             if (!sqe) break;
             unsigned slot = free_slots[--nfree];
             void *buf = (void *)(uintptr_t)(buf_base + (uint64_t)slot * block_bytes);
-            if (write && fixed) io_uring_prep_write_fixed(sqe, fd, buf, block_bytes, offsets[issued], 0);
+            struct iovec *iov = iovs ? iovs + (size_t)slot * ntensors : NULL;
+            for (unsigned t = 0; iov && t < ntensors; t++) {
+                iov[t].iov_base = (void *)(uintptr_t)(bases[t] + (uint64_t)cache_blocks[issued] * row_bytes[t]);
+                iov[t].iov_len = row_bytes[t];
+            }
+            if (iov && write) io_uring_prep_writev(sqe, fd, iov, ntensors, offsets[issued]);
+            else if (iov) io_uring_prep_readv(sqe, fd, iov, ntensors, offsets[issued]);
+            else if (write && fixed) io_uring_prep_write_fixed(sqe, fd, buf, block_bytes, offsets[issued], 0);
             else if (write) io_uring_prep_write(sqe, fd, buf, block_bytes, offsets[issued]);
             else if (fixed) io_uring_prep_read_fixed(sqe, fd, buf, block_bytes, offsets[issued], 0);
             else io_uring_prep_read(sqe, fd, buf, block_bytes, offsets[issued]);
@@ -56,6 +79,7 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
         inflight--;
     }
     free(free_slots);
+    free(iovs);
     io_uring_queue_exit(&ring);
     return result < 0 ? result : now_ns() - start;
 }

@@ -338,7 +338,9 @@ void ukv_cuda_stream_drain(uint64_t stream);
 /* ---- ceiling.c --------------------------------------------------------------------------------- */
 
 int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
-                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async);
+                      const uint64_t *offsets, unsigned n, uint64_t buf_base, int fixed, int async,
+                      unsigned ntensors, const uint64_t *bases, const uint64_t *row_bytes,
+                      const int64_t *cache_blocks);
 
 /* ---- identity.c -------------------------------------------------------------------------------- */
 
