@@ -59,8 +59,7 @@ class RingCeiling:
     @property
     def description(self) -> str:
         """The submission mode each operation ran with."""
-        said = {False: "inline", True: "IOSQE_ASYNC (io-wq)"}
-        return ", ".join(f"{'stores' if store else 'loads'} {said[mode]}" for store, mode in sorted(self.modes.items()))
+        return _modes_said(self.modes)
 
     def run(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> float:
         """The C loop's seconds for the batch."""
@@ -97,6 +96,12 @@ class RingCeiling:
         self.buffer.close()
 
 
+def _modes_said(modes: dict[bool, bool]) -> str:
+    """The submission mode (``modes``: IOSQE_ASYNC or not) each operation ran with, in words."""
+    said = {False: "inline", True: "IOSQE_ASYNC (io-wq)"}
+    return ", ".join(f"{'stores' if store else 'loads'} {said[mode]}" for store, mode in sorted(modes.items()))
+
+
 def _faster_mode(modes: dict[bool, bool], store: bool,
                  once: Callable[[bool], tuple[float, float]]) -> tuple[float, float]:
     """``once(async_io)`` in the submission mode ``modes`` holds for the operation; the first time,
@@ -122,9 +127,8 @@ class RowsCeiling:
 
     @property
     def description(self) -> str:
-        said = {False: "inline", True: "IOSQE_ASYNC (io-wq)"}
-        return "the ring's C loop, a readv (writev) per block straight into (from) the cache rows; " + ", ".join(
-            f"{'stores' if store else 'loads'} {said[mode]}" for store, mode in sorted(self.modes.items()))
+        return "the ring's C loop, a readv (writev) per block straight into (from) the cache rows; " + \
+            _modes_said(self.modes)
 
     def run_measured(self, store: bool, disk_blocks: list[int], gpu_blocks: list[int]) -> tuple[float, float]:
         """The C loop's seconds and the process's CPU seconds during it."""
