@@ -315,6 +315,23 @@ def test_where_the_engine_moves_the_cache_rows_itself_the_rows_ceiling_is_its_li
     assert f"copy ceiling, cold: {note}" in " ".join(capsys.readouterr().out.split())  # (wrapped to the console)
 
 
+def test_the_rows_ceiling_bounds_only_uring_kvs_own_row() -> None:
+    """The rows ceiling is the limit of the engine's path straight into the rows; the peers (and
+    uring_kv with checksums, in the Python pump) read into a buffer and copy, so their share is of
+    the ring ceiling."""
+    from uring_kv.bench.results import Row, kind_of, ratios
+
+    def row(method: str, gbps: float) -> Row:
+        return Row("load", "cold", 1 << 17, method, kind_of(method), gbps, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, True)
+
+    rows = [row("uring_kv", 3.0), row("uring_kv+crc32c", 2.0), row("vllm-disk", 2.0), row("ring ceiling", 8.0),
+            row("rows ceiling", 4.0)]
+    ratios(rows)
+    of = {r.method: r.of_limit for r in rows}
+    assert of == {"uring_kv": 0.75, "uring_kv+crc32c": 0.25, "vllm-disk": 0.25, "ring ceiling": None,
+                  "rows ceiling": None}
+
+
 def test_the_rows_ceiling_moves_each_block_between_the_file_and_its_rows_in_either_mode(tmp_path: Path) -> None:
     """A load brings file block d into cache block c of every tensor (its rows in tensor order, as
     the engine lays a block out); a store writes cache block c's rows to file block d; in either

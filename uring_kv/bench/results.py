@@ -62,7 +62,8 @@ class BatchRow:
 
 CEILINGS = ("ring ceiling", "copy ceiling", "rows ceiling", "fio", "pcie ceiling")
 # a load or store cannot beat the lowest of these (the copy ceiling where the engine copies, the rows
-# ceiling where it moves the cache rows itself: never both on one operation)
+# ceiling where it moves the cache rows itself: never both on one operation, and the rows ceiling
+# only for uring_kv's own row, see ratios())
 LIMIT_CEILINGS = ("ring ceiling", "copy ceiling", "rows ceiling")
 
 
@@ -90,9 +91,11 @@ def ratios(rows: list[Row]) -> None:
     """``ratios[X]`` of a uring_kv row: its GB/s ÷ X's on the same operation, case and block size
     (the PCIe ceiling: on the same operation). Above 1: uring_kv moved the bytes faster; for a
     ceiling, the fraction of that limit uring_kv reached. ``of_limit`` of every method's row: its
-    GB/s ÷ the lowest of the ring, copy and rows ceilings there."""
+    GB/s ÷ the lowest of the ring, copy and rows ceilings there; the rows ceiling bounds uring_kv's
+    own row alone (its path: the peers, and uring_kv with checksums, read into a buffer and copy)."""
     for row in rows:
         limits = [other.gbps for other in rows if other.method in LIMIT_CEILINGS and other.gbps
+                  and (other.method != "rows ceiling" or row.method == "uring_kv")
                   and (other.op, other.case, other.block_bytes) == (row.op, row.case, row.block_bytes)]
         if limits and kind_of(row.method) != "ceiling":
             row.of_limit = row.gbps / min(limits)
