@@ -21,8 +21,6 @@ BLOCK = 4 * ELEMS * 4  # bytes of a block of id_caches' 4 int32 tensors
 BUDGET = 3 * BLOCK  # two blocks fit, four do not
 
 
-
-
 async def test_a_call_is_queued_until_its_first_block_starts_then_in_flight_until_it_ends(
         make_engine: EngineFactory) -> None:
     caches = id_caches("cpu", blocks=8)
