@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import sniffio
 import torch
@@ -264,4 +265,4 @@ async def until(condition: Callable[[], object], seconds: float = 5.0) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.002)
+        await anyio.sleep(0.002)

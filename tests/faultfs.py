@@ -45,6 +45,10 @@ class FaultState:
         self.sync_delay = 0.0  # seconds each fsync takes (a disk's cache flush), before it makes anything durable
         self.cut: Any = None  # set by the filesystem: rebuilds the files as after a power loss
         self.reads: list[int] = []  # the offset of every read request, in the order they arrived
+        self.held_reads: list[tuple[int, int]] = []  # reads touching these wait at the gate
+        self.holding = 0  # reads waiting at the gate now
+        self._passes = 0  # how many of them may go on
+        self._gate = threading.Condition(self._mutex)
 
     def freeze(self) -> None:
         """From now on every write, truncation, creation and sync fails with EIO."""
@@ -84,8 +88,36 @@ class FaultState:
         with self._mutex:
             (self.once_reads if reads else self.once_writes).append([start, start + length, delay, count])
 
+    def hold_reads(self, start: int, length: int) -> None:
+        """Reads touching the range wait, before they touch the bytes, until ``let_through``
+        lets them on one by one, or ``clear`` opens the gate."""
+        with self._mutex:
+            self.held_reads.append((start, start + length))
+
+    def let_through(self, count: int = 1) -> None:
+        """Let ``count`` of the reads waiting at the gate (or the next to come) go on."""
+        with self._mutex:
+            self._passes += count
+            self._gate.notify_all()
+
+    def wait_at_gate(self, offset: int, size: int) -> None:
+        with self._mutex:
+            if not any(offset < end and start < offset + size for start, end in self.held_reads):
+                return
+            self.holding += 1
+            try:
+                opened = self._gate.wait_for(lambda: self._passes > 0 or not self.held_reads, WATCHDOG_SECONDS)
+                assert opened, "a held read was never let through"
+                if self.held_reads:
+                    self._passes -= 1
+            finally:
+                self.holding -= 1
+
     def clear(self) -> None:
         with self._mutex:
+            self.held_reads.clear()
+            self._passes = 0
+            self._gate.notify_all()
             self.bad_reads.clear()
             self.bad_writes.clear()
             self.slow_reads.clear()
@@ -194,6 +226,7 @@ def _operations(state: FaultState) -> Any:
         def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
             with state._mutex:
                 state.reads.append(offset)
+            state.wait_at_gate(offset, size)
             state.pause(state.slow_reads, offset, size, state.once_reads)
             if state.hits(state.bad_reads, offset, size):
                 raise mfusepy.FuseOSError(errno.EIO)

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from aio import task_group
 from backlog import overtakes
-from conftest import EngineFactory
+from conftest import EngineFactory, until
 from faultfs import FaultState
 
 from uring_kv import Prefetch
@@ -59,26 +59,33 @@ async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_rea
 
 async def read_order(engine: Any, state: FaultState, prefetched: int, first_row: int, started: int, block: int,
                      row: int, demand: bool) -> list[int]:
-    """Prefetch blocks 0..``prefetched`` into rows from ``first_row``, their reads slowed; once
-    ``started`` of them reached the filesystem, load ``block`` into ``row`` (a demand load, else a
-    second prefetch). The blocks in the order their reads reached the filesystem."""
+    """Prefetch blocks 0..``prefetched`` into rows from ``first_row``, their reads held at the
+    filesystem's gate; once ``started`` of them wait there, load ``block`` into ``row`` (a demand
+    load, else a second prefetch) and, once that load's read is queued (``queued``), let one held
+    read through: the read its I/O worker takes next comes in before any other. The blocks in the
+    order their reads reached the filesystem."""
     stride = engine.file.stride
-    # each slowed read takes long enough that none of them ends before the load is called, however
-    # slow the machine (50 ms let a loaded CI machine finish the first reads first)
-    state.slow_down(0, prefetched * stride, 0.3, writes=False)
+    state.hold_reads(0, prefetched * stride)
     state.reads.clear()
     async with task_group() as tasks:
         prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
         prefetch = tasks.spawn(prefetching, list(range(prefetched)), list(range(first_row, first_row + prefetched)))
-        for _ in range(1000):  # until that many reads are in flight (the rest wait for room)
-            if len({offset // stride for offset in state.reads}) >= started:
-                break
-            await anyio.sleep(0.001)
-        assert len({offset // stride for offset in state.reads}) >= started, "the prefetch's reads never came"
+        await until(lambda: state.holding == started)
+        await until(lambda: engine.metrics()["prefetch"]["inflight_calls"] == 1)
+        inflight = engine.stats()["io_inflight"]
+        kwargs = {} if demand else {"prefetch": Prefetch()}
+        load = tasks.spawn(functools.partial(engine.load_batch, **kwargs), [block], [row])
+        # the load took its slot and its read went to the I/O (in flight or waiting for room)
+        cls, calls = ("load", 1) if demand else ("prefetch", 2)
+        await until(lambda: engine.metrics()[cls]["inflight_calls"] == calls)
+        await until(lambda: engine.stats()["io_inflight"] > inflight or state.holding < started)
         await anyio.sleep(0.01)
-        await engine.load_batch([block], [row], prefetch=None if demand else Prefetch())
+        assert state.holding == started and len(state.reads) == started, "a held read went on before its turn"
+        state.let_through(1)
+        await until(lambda: len(state.reads) > started)
+        state.clear()
+        await load.join()
         await prefetch.join()
-    state.clear()
     return list(dict.fromkeys(offset // stride for offset in state.reads))
 
 
@@ -86,9 +93,9 @@ async def read_order(engine: Any, state: FaultState, prefetched: int, first_row:
     strict=True, reason="the control: a second prefetch waits its turn behind the parked slots"))])
 async def test_a_demand_pumps_parked_slot_takes_the_room_before_prefetch_slots_parked_first(
         fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, demand: bool) -> None:
-    """Depth 1, native pumps, slow reads of the prefetched blocks: the prefetch's pump holds four
+    """Depth 1, native pumps, the prefetched blocks' reads held: the prefetch's pump holds four
     slots, one reading and three parked for room. A demand load called meanwhile parks its slot
-    after them; when the read in flight ends, the room goes to the demand pump's slot (class
+    after them; when the read in flight is let go, the room goes to the demand pump's slot (class
     first, then the order they parked), so its block is read second. Called as a prefetch, the
     same load waits behind the three (the control: the read order itself tells the classes apart)."""
     mountpoint, state = fault_fs
@@ -107,9 +114,9 @@ async def test_a_demand_pumps_parked_slot_takes_the_room_before_prefetch_slots_p
     strict=True, reason="the control: a second prefetch waits its turn behind the queued reads"))])
 async def test_on_the_thread_pool_a_demand_read_goes_before_queued_prefetch_reads(
         fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, demand: bool) -> None:
-    """The thread-pool backend (8 workers), slow reads of the prefetched blocks: a prefetch of 16
+    """The thread-pool backend (8 workers), the prefetched blocks' reads held: a prefetch of 16
     blocks keeps every worker busy and 8 reads waiting for one. A demand load called meanwhile has
-    its read taken by the first worker to come free, ahead of those 8; called as a prefetch, it
+    its read taken by the first worker let go, ahead of those 8; called as a prefetch, it
     waits behind them (the control)."""
     mountpoint, state = fault_fs
     caches = id_caches("cpu", blocks=48)
@@ -120,4 +127,4 @@ async def test_on_the_thread_pool_a_demand_read_goes_before_queued_prefetch_read
         assert sorted(order) == [*range(16), 20]
         assert [identify(caches, 24 + b) for b in range(16)] == [(b, 1, True) for b in range(16)]
         assert identify(caches, 40) == (20, 1, True)
-    assert order.index(20) <= 9, f"read order by block: {order}"
+    assert order.index(20) == 8, f"read order by block: {order}"
