@@ -86,14 +86,14 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
             methods: dict[str, Method] = {"uring_kv": uring_kv}
             closing = _Closing()
             try:
-                ring, rows_ceiling = _add_peers(config, work, engine, methods, closing, extra)
-                if config.checksum:
-                    methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
                 ops = ["load", "store"] if case == "cold" or config.direct is not None else ["load"]
                 # where the engine reads straight into the cache rows (writes straight from them) it
                 # makes no copy of its own: the copy ceiling is no limit of it there, and is left out;
                 # the rows ceiling (the ring's loop doing those I/Os) is its limit, and runs only there
                 uncopied = [op for op in ops if stats["loads_into_caches" if op == "load" else "stores_from_caches"]]
+                ring, rows_ceiling = _add_peers(config, work, engine, methods, closing, extra, bool(uncopied))
+                if config.checksum:
+                    methods["uring_kv+crc32c"] = functools.partial(uring_kv, checksum=True)
                 if uncopied and "copy ceiling" in methods:
                     extra["notes"][f"copy ceiling, {case}"] = (
                         f"left out for {' and '.join(op + 's' for op in uncopied)}: the engine moves those bytes "
@@ -138,9 +138,11 @@ async def bench_block_size(config: BenchConfig, block_bytes: int, device: torch.
 
 
 def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dict[str, Method], closing: _Closing,
-               extra: dict[str, Any]) -> tuple[ceilings.RingCeiling | None, ceilings.RowsCeiling | None]:
+               extra: dict[str, Any], moves_rows: bool) -> tuple[ceilings.RingCeiling | None,
+                                                                ceilings.RowsCeiling | None]:
     """The peers asked for, on the engine's file and the bench's caches; the ring ceiling and (where
-    the engine moves the cache rows itself) the rows ceiling among them."""
+    the engine moves the cache rows itself in an operation measured: ``moves_rows``) the rows
+    ceiling among them."""
     fd, stride = engine.fileno(), engine.stats()["stride"]
     if "vllm-disk" in config.peers:
         vllm = closing.add(peers.VllmDisk(work.caches, work.per_layer, work.device, fd, stride))
@@ -169,8 +171,7 @@ def _add_peers(config: BenchConfig, work: Workload, engine: Engine, methods: dic
             extra["notes"]["copy ceiling"] = copies.description
             methods["copy ceiling"] = functools.partial(_in_thread_timed, copies.run_measured)
         rows = None
-        stats = engine.stats()
-        if stats["loads_into_caches"] or stats["stores_from_caches"]:
+        if moves_rows:
             rows = closing.add(ceilings.RowsCeiling(work.caches, work.slot_layout()[0], fd, stride, engine.io_depth))
             methods["rows ceiling"] = functools.partial(_in_thread_timed, rows.run_measured)
         return ceiling, rows

@@ -34,6 +34,11 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
     int64_t start = now_ns(), result = 0;
     unsigned issued = 0, done = 0, inflight = 0;
     unsigned *free_slots = calloc(depth, sizeof *free_slots);
+    if (!free_slots) {
+        free(iovs);
+        io_uring_queue_exit(&ring);
+        return -ENOMEM;
+    }
     unsigned nfree = depth;
     for (unsigned i = 0; i < depth; i++) free_slots[i] = i;
     while (done < n) {
@@ -43,10 +48,7 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
             unsigned slot = free_slots[--nfree];
             void *buf = (void *)(uintptr_t)(buf_base + (uint64_t)slot * block_bytes);
             struct iovec *iov = iovs ? iovs + (size_t)slot * ntensors : NULL;
-            for (unsigned t = 0; iov && t < ntensors; t++) {
-                iov[t].iov_base = (void *)(uintptr_t)(bases[t] + (uint64_t)cache_blocks[issued] * row_bytes[t]);
-                iov[t].iov_len = row_bytes[t];
-            }
+            if (iov) row_iovecs(iov, ntensors, bases, row_bytes, cache_blocks[issued]);
             if (iov && write) io_uring_prep_writev(sqe, fd, iov, ntensors, offsets[issued]);
             else if (iov) io_uring_prep_readv(sqe, fd, iov, ntensors, offsets[issued]);
             else if (write && fixed) io_uring_prep_write_fixed(sqe, fd, buf, block_bytes, offsets[issued], 0);
@@ -71,10 +73,14 @@ int64_t ukv_ring_loop(int fd, int write, unsigned depth, uint64_t block_bytes,
         done += seen; inflight -= seen;
         if (result < 0) break;
     }
-    /* Never leave the loop with I/O in flight into the caller's buffer. */
+    /* Never leave the loop with I/O in flight into the caller's buffer. SQEs a failed submit left in
+     * the ring never reach the kernel (the ring's teardown drops them): they are not waited for. */
+    inflight -= io_uring_sq_ready(&ring);
     while (inflight > 0) {
         struct io_uring_cqe *cqe;
-        if (io_uring_wait_cqe(&ring, &cqe) < 0) break;
+        ret = io_uring_wait_cqe(&ring, &cqe);
+        if (ret == -EINTR) continue;
+        if (ret < 0) break;
         io_uring_cqe_seen(&ring, cqe);
         inflight--;
     }

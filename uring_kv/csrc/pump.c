@@ -200,10 +200,7 @@ static int pump_io(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     int buf = p->fixed_buffers ? p->slot_buf[s] : -1;
     if (p->slot_iov) {
         struct iovec *iov = p->slot_iov + (size_t)s * p->ntensors;
-        for (unsigned t = 0; t < p->ntensors; t++) {
-            iov[t].iov_base = (void *)(uintptr_t)(p->bases[t] + (uint64_t)p->cache[b] * p->block_bytes[t]);
-            iov[t].iov_len = p->block_bytes[t];
-        }
+        row_iovecs(iov, p->ntensors, p->bases, p->block_bytes, p->cache[b]);
         if (p->write) io_uring_prep_writev(sqe, p->fd, iov, p->ntensors, p->offsets[b]);
         else io_uring_prep_readv(sqe, p->fd, iov, p->ntensors, p->offsets[b]);
     } else if (p->write && buf >= 0) io_uring_prep_write_fixed(sqe, p->fd, slot, p->stride, p->offsets[b], buf);

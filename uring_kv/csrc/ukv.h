@@ -227,6 +227,16 @@ unsigned ukv_ring_take(struct ukv_ring *r, uint64_t *user_data, int32_t *res, un
 uint64_t ukv_ring_thread_wakeups(struct ukv_ring *r, uint64_t *notifies);
 unsigned ukv_ring_take_job_fails(struct ukv_ring *r, int32_t *rcs, int32_t *wheres);
 
+/* The iovecs of one block's I/O straight into or out of the cache rows, one per tensor: row_bytes[t]
+ * bytes of tensor t at row cache_block (the pumps' scatter path and the bench's rows ceiling). */
+static inline void row_iovecs(struct iovec *iov, unsigned ntensors, const uint64_t *bases, const uint64_t *row_bytes,
+                              int64_t cache_block) {
+    for (unsigned t = 0; t < ntensors; t++) {
+        iov[t].iov_base = (void *)(uintptr_t)(bases[t] + (uint64_t)cache_block * row_bytes[t]);
+        iov[t].iov_len = row_bytes[t];
+    }
+}
+
 /* Move one padded block between a staging slot and every cache tensor (the memcpys of pumps and of
  * the host copier). */
 static inline void copy_block(unsigned ntensors, const uint64_t *bases, const uint64_t *block_bytes,
