@@ -16,6 +16,7 @@ from conftest import EngineFactory, until
 from faultfs import FaultState
 
 from uring_kv import Prefetch
+from uring_kv._staging import IOClass
 from uring_kv.testing import id_caches, identify, store_identity
 
 
@@ -26,10 +27,10 @@ def io_mode() -> str:
 
 async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_reads(
         fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Depth 1, slow reads of the prefetched blocks: the prefetch's reads queue behind the one in
-    flight; a demand load called meanwhile has its read submitted before them. Mutation tried: the
-    prefetches' reads in the demand loads' queue (the demand read waited for every prefetch read
-    queued before it)."""
+    """Depth 1, the prefetched blocks' reads held: the prefetch's reads queue behind the one in
+    flight; a demand load called meanwhile gets the slot of the first read let through and has its
+    read submitted before the prefetch reads still queued. Mutation tried: the prefetches' reads in
+    the demand loads' queue (the demand read waited for every prefetch read queued before it)."""
     mountpoint, state = fault_fs
     monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")  # per-block batches: their ops go through the backlog
     # a demand read went in: were prefetch reads queued before it still waiting?
@@ -37,21 +38,21 @@ async def test_under_a_depth_cap_a_demand_read_goes_ahead_of_queued_prefetch_rea
     caches = id_caches("cpu", blocks=24)
     async with make_engine(caches, 16, num_slots=4, io_depth=1, path=mountpoint / "kv.bin") as engine:
         await store_identity(engine, caches, 16)
-        state.slow_down(0, 8 * engine.file.stride, 0.05, writes=False)  # 0.35 s of queued reads: room to call
+        state.hold_reads(0, 8 * engine.file.stride)
+        backlog = engine.io._backlog  # type: ignore[attr-defined]
         async with task_group() as tasks:
             prefetching = functools.partial(engine.load_batch, prefetch=Prefetch())
             prefetch = tasks.spawn(prefetching, list(range(8)), list(range(16, 24)))
-            def queued() -> bool:  # prefetch reads waiting in the backlog, whichever queue they are in
-                return any(op.later for queue in engine.io._backlog for op in queue)  # type: ignore[attr-defined]
-
-            for _ in range(1000):  # until its reads queue up behind the one in flight
-                if queued():
-                    break
-                await anyio.sleep(0.001)
-            assert queued(), "the prefetch's reads never queued"
-            await engine.load_batch([12], [12])  # not behind the slowed reads
+            # its reads queue up behind the one in flight, every slot taken
+            await until(lambda: state.holding == 1 and any(op.later for queue in backlog for op in queue))
+            load = tasks.spawn(engine.load_batch, [12], [12])
+            await until(lambda: engine.pool.waiting[IOClass.DEMAND] == 1)  # for a slot
+            state.let_through(1)  # the first read ends: its slot goes to the demand load, whose read
+            # takes that room at once or waits in the backlog
+            await until(lambda: load.done() or any(not op.later and not op.write for queue in backlog for op in queue))
+            state.clear()
+            await load.join()
             await prefetch.join()
-        state.clear()
         assert [identify(caches, 16 + b) for b in range(8)] == [(b, 1, True) for b in range(8)]
         assert identify(caches, 12) == (12, 1, True)
     assert any(jumped), "no demand read was ever submitted ahead of a prefetch read queued before it"
