@@ -1,6 +1,7 @@
 """The I/O classes where I/Os wait for room under the depth: a demand load's read goes ahead of the
 prefetches' reads waiting before it, at the ring's backlog (ops of Python pumps), among the
-native pumps' parked slots (in C), and in the thread-pool backend's queue."""
+native pumps' parked slots (in C), and in the thread-pool backend's queue; a write that has
+waited there STORE_AGING_S goes ahead of every read."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from faultfs import FaultState
 
 from uring_kv import Prefetch
 from uring_kv._staging import IOClass
-from uring_kv.testing import id_caches, identify, store_identity
+from uring_kv.testing import fill, id_caches, identify, store_identity
 
 
 @pytest.fixture
@@ -129,3 +130,53 @@ async def test_on_the_thread_pool_a_demand_read_goes_before_queued_prefetch_read
         assert [identify(caches, 24 + b) for b in range(16)] == [(b, 1, True) for b in range(16)]
         assert identify(caches, 40) == (20, 1, True)
     assert order.index(20) == 8, f"read order by block: {order}"
+
+
+@pytest.mark.parametrize("path", ["native pumps", "python pumps", "thread pool"])
+async def test_a_store_waiting_for_room_behind_a_stream_of_loads_ages_ahead_of_them(
+        fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch,
+        path: str) -> None:
+    """Reads slowed, tasks loading back to back, so that some load's read always waits for room
+    (depth 1 on the ring, two tasks; on the thread pool, four tasks of 8 blocks for its 8
+    workers). A store called meanwhile gets a slot (once it has waited STORE_AGING_S for one: the
+    pool's rule), then its write waits behind the loads' reads; once the store has waited
+    STORE_AGING_S there too, its write goes next. So it ends while the loads still stream: most
+    of their reads come after it (without aging where I/Os wait for room, every load's read went
+    ahead of the write, and the stream never left it a turn)."""
+    mountpoint, state = fault_fs
+    if path == "python pumps":
+        monkeypatch.setenv("URING_KV_DEBUG_PUMP", "0")  # per-block batches: their ops go through the backlog
+    threads = path == "thread pool"
+    settings: dict[str, Any] = {"io": "threads", "num_slots": 40} if threads else {"io_depth": 1, "num_slots": 4}
+    tasks_, calls = (4, 10) if threads else (2, 10)  # 8 blocks a call: 0.4 s of reads on 8 workers, 1.6 s at depth 1
+    caches = id_caches("cpu", blocks=56)  # rows 16-47 the loads', 48-49 the store's
+    async with make_engine(caches, 32, path=mountpoint / "kv.bin", **settings) as engine:
+        await store_identity(engine, caches, 16)
+        stride = engine.file.stride
+        state.slow_down(0, 16 * stride, 0.01, writes=False)
+        state.reads.clear()
+        stored_after: list[int] = []
+
+        async def stream(task: int) -> None:
+            first = 8 * (task % 2)
+            for _ in range(calls):
+                await engine.load_batch(list(range(first, first + 8)), list(range(16 + 8 * task, 24 + 8 * task)))
+
+        async def store() -> None:
+            fill(caches, 48, 30, 2)
+            await engine.store_batch([48], [30])
+            stored_after.append(len(state.reads))
+
+        async with task_group() as tasks:
+            loads = [tasks.spawn(stream, task) for task in range(tasks_)]
+            await until(lambda: len(state.reads) >= 4)
+            stored = tasks.spawn(store)
+            for task in (*loads, stored):
+                await task.join()
+        state.clear()
+        assert [identify(caches, 16 + b) for b in range(8 * tasks_)] == [(b % 16, 1, True) for b in range(8 * tasks_)]
+        await engine.load_batch([30], [49])
+        assert identify(caches, 49) == (30, 2, True)
+    total = len(state.reads)
+    assert total >= tasks_ * calls * 8 and stored_after, (total, stored_after)
+    assert stored_after[0] < total // 2, f"the store ended after {stored_after[0]} of the {total} load reads"

@@ -34,7 +34,7 @@ from uring_kv._native import BlockCopier, PumpCopies, bitmap
 from uring_kv._plan import Geometry, Plan, make_plan
 from uring_kv._prefetch import Prefetch
 from uring_kv._pressure import Pressure, Ticket, class_budgets
-from uring_kv._staging import IOClass, Kind, SlotPool
+from uring_kv._staging import STORE_AGING_S, IOClass, Kind, SlotPool
 from uring_kv._trace import Trace
 from uring_kv._tuning import Tuning
 from uring_kv.errors import EngineClosedError
@@ -82,8 +82,8 @@ class Engine(OpenClose):
     :class:`~uring_kv.errors.EngineBusyError` (EBUSY) instead of queueing (a call finding nothing
     of its class pending always goes). What each class has queued and in flight, and its recent
     service rate, are in :meth:`metrics`. Slots and I/O room go to demand loads, then prefetches
-    (``load_batch(..., prefetch=...)``), then stores; a store that has waited 50 ms for a slot
-    goes first (``_staging.STORE_AGING_S``).
+    (``load_batch(..., prefetch=...)``), then stores; a store that has waited 50 ms for a slot,
+    or for I/O room under the depth, goes first (``_staging.STORE_AGING_S``).
     """
 
     def __init__(self, caches: Any, path: str | os.PathLike[str], num_disk_blocks: int, num_slots: int = 16,
@@ -205,7 +205,7 @@ class Engine(OpenClose):
             self.plan = plan = make_plan(tuning, self._geometry(file), ring is not None, io_reason,
                                          staging is not None, staged_error, ring is not None and ring.thread,
                                          staging is not None and staging.mapped)
-            io, uring = backend_for(plan, svc, ring, tuning, self._trace)
+            io, uring = backend_for(plan, svc, ring, tuning, self._trace, store_aging_s=STORE_AGING_S)
         except BaseException:
             if ring is not None and io is None:  # (not yet the backend's)
                 ring.close()

@@ -195,9 +195,10 @@ class NativeRing:
         """How long one :meth:`reap` may go on refilling pumps whose I/O completes inline (0: one pass)."""
         self._reap_budget_ns = ns
 
-    def pump_depth(self, cap: int) -> None:
-        """At most ``cap`` pump I/Os in flight at once (0: no limit); pumps' slots wait for room."""
-        _lib.ukv_ring_pump_depth(self._ring, cap)
+    def pump_depth(self, cap: int, store_aging_s: float) -> None:
+        """At most ``cap`` pump I/Os in flight at once (0: no limit); pumps' slots wait for room, a
+        store's that has waited ``store_aging_s`` (0: no aging) before any load's."""
+        _lib.ukv_ring_pump_depth(self._ring, cap, int(store_aging_s * 1e9))
 
     def pump_io(self) -> tuple[int, int]:
         """(pump I/Os in flight now, the most there ever were at once)."""

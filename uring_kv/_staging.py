@@ -76,7 +76,7 @@ class IOClass(enum.IntEnum):
         return Kind.STORE if self is IOClass.STORE else Kind.LOAD
 
 
-STORE_AGING_S = 0.05  # a store waiting this long for a slot is served before any load
+STORE_AGING_S = 0.05  # a store waiting this long for a slot, or for I/O room, is served before any load
 
 
 class LeaseError(RuntimeError):

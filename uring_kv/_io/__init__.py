@@ -57,15 +57,16 @@ def open_backend(mode: str = "auto", *, services: LoopServices | None = None, as
 
 
 def backend_for(plan: Plan, services: LoopServices, ring: NativeRing | None, tuning: Tuning, trace: Trace,
-                workers: int = 8) -> tuple[IOBackend, UringBackend | None]:
+                workers: int = 8, store_aging_s: float = 0.0) -> tuple[IOBackend, UringBackend | None]:
     """An engine's backend as its plan has it, and the same as a :class:`UringBackend` where native
     pumps may run on it (else None): on ``ring`` with the plan's IOSQE_ASYNC flags and depth, or
-    the thread pool (as many workers as the depth allows)."""
+    the thread pool (as many workers as the depth allows). A write that has waited
+    ``store_aging_s`` for room (0: no aging) goes before any read."""
     if plan.io == "threads":
         threads = ThreadBackend(services, min(workers, plan.depth) if plan.depth else workers, reason=plan.io_reason,
-                                trace=trace)
+                                trace=trace, store_aging_s=store_aging_s)
         return threads, None
     assert ring is not None
     uring = UringBackend(services, async_io=plan.async_reads, async_writes=plan.async_writes, depth=plan.depth,
-                         tuning=tuning, ring=ring, trace=trace)
+                         tuning=tuning, ring=ring, trace=trace, store_aging_s=store_aging_s)
     return uring, uring

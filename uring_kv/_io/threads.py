@@ -2,13 +2,15 @@
 default seccomp refuses it, gVisor has none) or is not wanted (``io='threads'``). Same interface and
 completion rules as the ring: each op's handler runs on the loop thread, after the op is done.
 Ops waiting for a worker go in the I/O classes' order, as at the ring's backlog: demand loads'
-reads, then prefetches' reads (``Op.later``), then writes."""
+reads, then prefetches' reads (``Op.later``), then writes, except that a write waiting
+``store_aging_s`` (0: never) goes first."""
 
 from __future__ import annotations
 
 import errno
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -25,13 +27,15 @@ class ThreadBackend(OpsInFlight):
     name = "threads"
 
     def __init__(self, services: LoopServices | None = None, workers: int = 8, reason: str = "",
-                 trace: Trace | None = None) -> None:
+                 trace: Trace | None = None, store_aging_s: float = 0.0) -> None:
         super().__init__(services or current_services(), trace)
+        self._store_aging_s = store_aging_s
         self.reason = reason
         self.description = f"thread pool ({workers} threads{', ' + reason if reason else ''})"
         if workers < 1:
             raise ValueError(f"the thread pool needs at least one worker, got {workers}")
         self._waiting: tuple[deque[Op], deque[Op], deque[Op]] = (deque(), deque(), deque())
+        self._written_since: deque[float] = deque()  # when each waiting write came
         self._ready = threading.Condition()
         self._closing = False
         self._workers: list[threading.Thread] = []
@@ -52,14 +56,22 @@ class ThreadBackend(OpsInFlight):
             self.inflight += len(ops)
             for op in ops:
                 waiting[2 if op.write else 1 if op.later else 0].append(op)
+                if op.write:
+                    self._written_since.append(time.monotonic())
             self._ready.notify(len(ops))
 
     def _next(self) -> Op | None:
         """The next op by class (None: closing and nothing left)."""
         with self._ready:
             while True:
+                writes = self._waiting[2]
+                if writes and self._store_aging_s and self._written_since[0] <= time.monotonic() - self._store_aging_s:
+                    self._written_since.popleft()
+                    return writes.popleft()
                 for queue in self._waiting:
                     if queue:
+                        if queue is writes:
+                            self._written_since.popleft()
                         return queue.popleft()
                 if self._closing:
                     return None

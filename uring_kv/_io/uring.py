@@ -31,6 +31,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,16 +100,19 @@ class UringBackend(OpsInFlight):
 
     ``ring``: the ring to run on (default: one opened here down ``flags``); ``depth``: at most this
     many ops in flight (None: the CQ's size); ``tuning``: its ``completions_per_callback``,
-    ``reap_budget_us`` and ``iowq_workers`` (default: :class:`Tuning`'s defaults)."""
+    ``reap_budget_us`` and ``iowq_workers`` (default: :class:`Tuning`'s defaults);
+    ``store_aging_s``: a write (a store pump's slot) that has waited this long for room under the
+    depth goes before any read (0: never)."""
 
     name = "uring"
 
     def __init__(self, services: LoopServices | None = None, entries: int = 256,
                  async_io: bool = False, flags: Sequence[SetupFlag] | None = None, depth: int | None = None,
                  async_writes: bool | None = None, tuning: Tuning | None = None, ring: NativeRing | None = None,
-                 trace: Trace | None = None) -> None:
+                 trace: Trace | None = None, store_aging_s: float = 0.0) -> None:
         services = services or current_services()
         super().__init__(services, trace)
+        self._store_aging_s = store_aging_s
         tuning = tuning if tuning is not None else Tuning()
         self._owner = threading.get_ident()
         ring = ring if ring is not None else open_ring(services.report, entries, flags)
@@ -140,8 +144,10 @@ class UringBackend(OpsInFlight):
         self._pending: dict[int, Op] = {}
         self._next_user_data = 1
         # Ops waiting for room in flight (the CQ's size, or the depth), by class as slots are: [0]
-        # demand loads' reads, [2] prefetches' reads (Op.later), [1] writes, submitted in that order.
+        # demand loads' reads, [2] prefetches' reads (Op.later), [1] writes, submitted in that order,
+        # except that a write waiting store_aging_s (0: never) goes first (_written_since: when each came).
         self._backlog: tuple[deque[Op], deque[Op], deque[Op]] = (deque(), deque(), deque())
+        self._written_since: deque[float] = deque()
         # Never more in flight than the CQ can hold, nor than ``depth``: ops beyond wait in the backlog.
         self._capacity = min(ring.cq_entries, depth) if depth else ring.cq_entries
         self._fixed_fd: dict[int, int] = {}
@@ -152,7 +158,7 @@ class UringBackend(OpsInFlight):
         self._pump_slots = 0  # slots held by native pumps: each may have an op in flight
         self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
         ring.reap_budget(tuning.reap_budget_us * 1000)
-        ring.pump_depth(self._capacity)  # pumps whose slots outnumber the depth park the rest
+        ring.pump_depth(self._capacity, store_aging_s)  # pumps whose slots outnumber the depth park the rest
 
     def pumps(self, fd: int, stride: int, blocks: BlockCopier, waiting: Any, max_slots: int, inline: bool,
               scatter: tuple[bool, bool], copies: PumpCopies | None) -> NativePumps:
@@ -236,6 +242,8 @@ class UringBackend(OpsInFlight):
         backlog = self._backlog
         for op in ops:
             backlog[2 if op.later else op.write].append(op)
+            if op.write:
+                self._written_since.append(time.monotonic())
         self._flush()
 
     def _flush(self) -> None:
@@ -246,8 +254,14 @@ class UringBackend(OpsInFlight):
         sqes = []
         pending, fixed_fd = self._pending, self._fixed_fd
         use_fixed = self.fixed_buffers
+        written_since = self._written_since
+        aged = time.monotonic() - self._store_aging_s if writes and (reads or later) and self._store_aging_s else None
         while (reads or writes or later) and room > 0:
-            op = reads.popleft() if reads else later.popleft() if later else writes.popleft()
+            if writes and ((aged is not None and written_since[0] <= aged) or not (reads or later)):
+                op = writes.popleft()
+                written_since.popleft()
+            else:
+                op = reads.popleft() if reads else later.popleft()
             room -= 1
             user_data = self._next_user_data
             self._next_user_data += 1

@@ -15,7 +15,9 @@
  * back to Python. Under a ring-wide cap on pump I/Os
  * (the engine's io_depth, below its slot count) a slot whose next step is an I/O waits, parked,
  * for room; by class (`klass`: demand loads, then prefetches, then stores), then in the order they
- * parked. The struct is in ukv.h (cffi reads and writes some of its fields). */
+ * parked, except that a store whose pump has started no I/O for the ring's store aging (since it
+ * was made, or its last I/O) goes first, its slot starting its block even while more urgent calls
+ * wait for slots (else the slot would go back to them, and the store to the end of the line). The struct is in ukv.h (cffi reads and writes some of its fields). */
 #include "ukv.h"
 
 enum { SLOT_FREE = 0, SLOT_IDLE, SLOT_IO, SLOT_COPY }; /* IDLE: held, parked for I/O room */
@@ -65,6 +67,7 @@ struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_b
         for (unsigned t = 0; t < ntensors; t++) p->expect += block_bytes[t];
     }
     for (unsigned s = 0; s < max_slots; s++) p->slot_block[s] = -1;
+    p->progressed_ns = now_ns();
     return p;
 }
 
@@ -210,7 +213,7 @@ static int pump_io(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     sqe->flags |= p->sqe_flags;
     io_uring_sqe_set_data64(sqe, UKV_PUMP_TAG | ((uint64_t)p->id << 32) | s);
     p->state[s] = SLOT_IO;
-    p->since[s] = now_ns();
+    p->since[s] = p->progressed_ns = now_ns();
     if (++r->io_inflight > r->io_peak) r->io_peak = r->io_inflight;
     return 0;
 }
@@ -410,26 +413,34 @@ static void pump_flush(struct ukv_ring *r, struct ukv_pump *p) {
     p->ncopy = 0;
 }
 
-/* The pump whose first parked slot's turn is next: by class (demand loads' pumps, then prefetches',
- * then stores'), then the order in which the slots parked. NULL when no attached pump has one. */
-static struct ukv_pump *next_parked(const struct ukv_ring *r) {
-    struct ukv_pump *next = NULL;
+/* The pump whose first parked slot's turn is next: a store's pump that has started no I/O for
+ * store_aging_ns or more (the one whose slot parked first), else by class (demand loads' pumps, then prefetches', then
+ * stores'), then the order in which the slots parked. NULL when no attached pump has one; *aged
+ * says whether the store's slot was picked for its age. */
+static struct ukv_pump *next_parked(const struct ukv_ring *r, int *aged_out) {
+    struct ukv_pump *next = NULL, *aged = NULL;
+    int64_t aged_before = r->store_aging_ns ? now_ns() - r->store_aging_ns : INT64_MIN;
     for (int id = 0; id < r->pump_hi; id++) {
         struct ukv_pump *p = r->pumps[id];
         if (!p || !p->nparked) continue;
+        unsigned first = p->parked[p->park_head];
+        if (p->klass == 2 && p->progressed_ns <= aged_before &&
+            (!aged || p->park_seq[first] < aged->park_seq[aged->parked[aged->park_head]]))
+            aged = p;
         if (!next || p->klass < next->klass ||
-            (p->klass == next->klass &&
-             p->park_seq[p->parked[p->park_head]] < next->park_seq[next->parked[next->park_head]]))
+            (p->klass == next->klass && p->park_seq[first] < next->park_seq[next->parked[next->park_head]]))
             next = p;
     }
-    return next;
+    *aged_out = aged != NULL;
+    return aged ? aged : next;
 }
 
 /* Parked slots take the room there is, in turn (next_parked); then every due copy is queued. Pumps
  * that moved are marked touched. */
 static void pumps_settle(struct ukv_ring *r) {
     while (r->nparked && ring_has_room(r)) {
-        struct ukv_pump *p = next_parked(r);
+        int aged;
+        struct ukv_pump *p = next_parked(r, &aged);
         if (!p) break;
         touch(r, p);
         unsigned s = p->parked[p->park_head];
@@ -441,7 +452,9 @@ static void pumps_settle(struct ukv_ring *r) {
             continue;
         }
         p->parked_empty--;
-        if (!(pump_may_refill(p) && pump_begin(r, p, s, 1) == 0)) pump_release(p, s);
+        /* an aged store's slot starts its block though more urgent calls wait for slots */
+        int go = aged ? !p->stop && p->next < p->nblocks : pump_may_refill(p);
+        if (!(go && pump_begin(r, p, s, 1) == 0)) pump_release(p, s);
     }
     for (int id = 0; id < UKV_MAX_PUMPS && r->copies_due; id++) {
         struct ukv_pump *p = r->pumps[id];
@@ -462,10 +475,12 @@ void take_touched(struct ukv_ring *r, int32_t *touched, unsigned *ntouched) {
     r->ntouched = 0;
 }
 
-/* Pump I/Os in flight at once on this ring: at most `cap` (0: no limit). */
-void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap) {
+/* Pump I/Os in flight at once on this ring: at most `cap` (0: no limit); a store's slot that has
+ * waited `store_aging_ns` (0: no aging) for room goes before any load's. */
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns) {
     pthread_mutex_lock(&r->mu);
     r->io_cap = cap;
+    r->store_aging_ns = store_aging_ns;
     pthread_mutex_unlock(&r->mu);
 }
 

@@ -83,6 +83,7 @@ struct ukv_ring {
     unsigned io_peak;     /* the most there ever were */
     unsigned nparked;     /* pumps' slots waiting for room under io_cap */
     uint64_t park_clock;  /* slots parked so far: their turn for room (ukv_pump.park_seq) */
+    int64_t store_aging_ns; /* a store's pump that started no I/O for this long takes the next room (0: never) */
     int pump_hi;          /* pump ids in use lie below this */
     unsigned copies_due;  /* pumps' slots whose copy is due, not yet queued as a job */
     int32_t touched[UKV_MAX_PUMPS]; /* pumps that moved in this call, each once */
@@ -178,6 +179,7 @@ struct ukv_pump {
     uint64_t *park_seq;        /* of each parked slot: the ring's park_clock when it parked */
     int64_t *since;            /* of each slot: when its I/O was submitted or its copy fell due (ns) */
     unsigned parked_empty;     /* of those, slots with no block yet (a load's next read) */
+    int64_t progressed_ns;     /* when it last started an I/O, or was made: a store's age for room */
 };
 
 struct ukv_pump *ukv_pump_new(int write, int fd, unsigned sqe_flags, int fixed_buffers, uint64_t stride,
@@ -194,7 +196,7 @@ int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);
 int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
                        const uint64_t *addrs, const int32_t *bufs);
-void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap);
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns);
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
 void ukv_ring_phases(struct ukv_ring *r, int reset, int64_t *out);
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
