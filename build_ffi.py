@@ -151,7 +151,7 @@ int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);
 int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
                        const uint64_t *addrs, const int32_t *bufs);
-void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns);
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns, unsigned prefetch_cap);
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
 void ukv_ring_phases(struct ukv_ring *r, int reset, int64_t *out);
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r);

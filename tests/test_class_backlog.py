@@ -16,7 +16,7 @@ from backlog import overtakes
 from conftest import EngineFactory, until
 from faultfs import FaultState
 
-from uring_kv import Prefetch
+from uring_kv import Prefetch, Tuning
 from uring_kv._staging import IOClass
 from uring_kv.testing import fill, id_caches, identify, store_identity
 
@@ -180,3 +180,35 @@ async def test_a_store_waiting_for_room_behind_a_stream_of_loads_ages_ahead_of_t
     total = len(state.reads)
     assert total >= tasks_ * calls * 8 and stored_after, (total, stored_after)
     assert stored_after[0] < total // 2, f"the store ended after {stored_after[0]} of the {total} load reads"
+
+
+@pytest.mark.parametrize("prefetch_depth", [2, pytest.param(0, marks=pytest.mark.xfail(
+    strict=True, reason="the control: with no cap the prefetch fills the depth beside the demand load"))])
+async def test_while_a_demand_load_runs_a_prefetch_keeps_to_the_prefetch_depth(
+        fault_fs: tuple[Path, FaultState], make_engine: EngineFactory, prefetch_depth: int) -> None:
+    """Depth 8, native pumps, every read held: a demand load's read is in flight when a prefetch
+    of 8 blocks is called. While the demand load runs, the prefetch starts I/O only below the
+    prefetch depth (2 in flight, the demand's read counted); once the demand load ends it takes
+    the whole depth again, and every block lands."""
+    mountpoint, state = fault_fs
+    caches = id_caches("cpu", blocks=48)
+    async with make_engine(caches, 32, num_slots=24, io_depth=8, path=mountpoint / "kv.bin",
+                           tuning=Tuning(prefetch_depth=prefetch_depth)) as engine:
+        assert engine.stats()["prefetch_depth"] == prefetch_depth
+        await store_identity(engine, caches, 24)
+        state.hold_reads(0, 16 * engine.file.stride)
+        async with task_group() as tasks:
+            demand = tasks.spawn(engine.load_batch, [0], [40])
+            await until(lambda: state.holding == 1)
+            prefetch = tasks.spawn(functools.partial(engine.load_batch, prefetch=Prefetch()),
+                                   list(range(1, 9)), list(range(24, 32)))
+            await until(lambda: engine.metrics()["prefetch"]["inflight_calls"] == 1 and state.holding >= 2)
+            await anyio.sleep(0.05)  # room for reads the cap should hold back
+            held = state.holding
+            assert not demand.done() and not prefetch.done()
+            state.clear()
+            for task in (demand, prefetch):
+                await task.join()
+        assert held == 2, f"{held} reads in flight beside the demand load's (the prefetch depth is {prefetch_depth})"
+        assert identify(caches, 40) == (0, 1, True)
+        assert [identify(caches, 24 + b) for b in range(8)] == [(1 + b, 1, True) for b in range(8)]

@@ -21,11 +21,14 @@ def test_from_env_reads_settings_and_diagnostics() -> None:
     assert tuning.pumps is False and tuning.sqe_async is True
     assert tuning.pump_scatter is True  # unset: the default
     assert Tuning.from_env({}) == Tuning()
+    assert Tuning.from_env({"URING_KV_PREFETCH_DEPTH": "3"}).prefetch_depth == 3
+    assert Tuning.from_env({"URING_KV_PREFETCH_DEPTH": "auto"}).prefetch_depth is None
 
 
 @pytest.mark.parametrize(("name", "value"), [("URING_KV_IO", "fast"), ("URING_KV_REAP_BUDGET_US", "-1"),
                                              ("URING_KV_DEBUG_PUMP", "off"), ("URING_KV_HOST_INLINE_BYTES", "1k"),
-                                             ("URING_KV_COPIER_POLL_US", "on"), ("URING_KV_CUDA_MAPPED", "yes")])
+                                             ("URING_KV_COPIER_POLL_US", "on"), ("URING_KV_CUDA_MAPPED", "yes"),
+                                             ("URING_KV_PREFETCH_DEPTH", "half")])
 def test_a_malformed_variable_is_named(name: str, value: str) -> None:
     with pytest.raises(ValueError, match=name):
         Tuning.from_env({name: value})
@@ -36,6 +39,8 @@ def test_bad_fields_are_refused() -> None:
         Tuning(iowq_workers=-1)
     with pytest.raises(ValueError, match="I/O mode"):
         Tuning(io="fast")
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        Tuning(prefetch_depth=-1)
 
 
 def test_sqe_flags_policy() -> None:

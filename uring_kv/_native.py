@@ -195,10 +195,11 @@ class NativeRing:
         """How long one :meth:`reap` may go on refilling pumps whose I/O completes inline (0: one pass)."""
         self._reap_budget_ns = ns
 
-    def pump_depth(self, cap: int, store_aging_s: float) -> None:
+    def pump_depth(self, cap: int, store_aging_s: float, prefetch_cap: int) -> None:
         """At most ``cap`` pump I/Os in flight at once (0: no limit); pumps' slots wait for room, a
-        store's that has waited ``store_aging_s`` (0: no aging) before any load's."""
-        _lib.ukv_ring_pump_depth(self._ring, cap, int(store_aging_s * 1e9))
+        store's whose pump started no I/O for ``store_aging_s`` (0: no aging) before any load's; while
+        a demand load's pump runs, prefetches' I/Os start only below ``prefetch_cap`` (0: no cap)."""
+        _lib.ukv_ring_pump_depth(self._ring, cap, int(store_aging_s * 1e9), prefetch_cap)
 
     def pump_io(self) -> tuple[int, int]:
         """(pump I/Os in flight now, the most there ever were at once)."""

@@ -68,6 +68,9 @@ class Tuning:
     completions_per_callback: int = 0  # io_uring: most handlers per loop callback (0: all reaped)
     reap_budget_us: int = 100  # io_uring: how long one reap may refill pumps inline (0: one pass)
     iowq_workers: int = 0  # io_uring: cap on io-wq workers (0: the kernel's default)
+    # io_uring: while a demand load's pump runs, a prefetch's pump starts an I/O only below this many
+    # pump I/Os in flight (None: a quarter of the depth; 0: no cap)
+    prefetch_depth: int | None = None
     host_inline_bytes: int = 1 << 20  # CPU mode: copy calls up to this size run on the loop (0: never)
     copy_lanes: int = 0  # GPU mode, Python submit threads per direction (0: 1 staged, else 2)
     reserve_space: bool = False  # allocate the whole block file at open (fallocate), not as blocks are written
@@ -95,6 +98,9 @@ class Tuning:
                                  or not 0 <= poll <= COPIER_POLL_MAX_US):
             raise ValueError(f"Tuning.copier_poll_us must be None or an integer from 0 to {COPIER_POLL_MAX_US}, "
                              f"got {poll!r}")
+        cap = self.prefetch_depth
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"Tuning.prefetch_depth must be None or an integer >= 0, got {cap!r}")
         for name in ("completions_per_callback", "reap_budget_us", "iowq_workers", "host_inline_bytes",
                      "copy_lanes"):
             value = getattr(self, name)
@@ -123,6 +129,8 @@ class Tuning:
             completions_per_callback=_count(env, "URING_KV_COMPLETIONS_PER_CALLBACK", d.completions_per_callback),
             reap_budget_us=_count(env, "URING_KV_REAP_BUDGET_US", d.reap_budget_us, "a number of µs"),
             iowq_workers=_count(env, "URING_KV_IOWQ_WORKERS", d.iowq_workers),
+            prefetch_depth=None if env.get("URING_KV_PREFETCH_DEPTH", "auto") in ("", "auto")
+            else _count(env, "URING_KV_PREFETCH_DEPTH", 0, "'auto' or a number of I/Os"),
             host_inline_bytes=_count(env, "URING_KV_HOST_INLINE_BYTES", d.host_inline_bytes, "a byte count"),
             copy_lanes=_count(env, "URING_KV_COPY_LANES", d.copy_lanes),
             reserve_space=bool(_switch(env, "URING_KV_RESERVE_SPACE", d.reserve_space)),

@@ -158,7 +158,11 @@ class UringBackend(OpsInFlight):
         self._pump_slots = 0  # slots held by native pumps: each may have an op in flight
         self._reap_again = False  # an _on_wakeup is scheduled: the last reap ran out of budget
         ring.reap_budget(tuning.reap_budget_us * 1000)
-        ring.pump_depth(self._capacity, store_aging_s)  # pumps whose slots outnumber the depth park the rest
+        # pumps whose slots outnumber the depth park the rest; while a demand load's pump runs,
+        # prefetches start I/O only below a quarter of the depth (Tuning.prefetch_depth)
+        auto = max(1, self._capacity // 4)
+        self.prefetch_depth = auto if tuning.prefetch_depth is None else tuning.prefetch_depth
+        ring.pump_depth(self._capacity, store_aging_s, self.prefetch_depth)
 
     def pumps(self, fd: int, stride: int, blocks: BlockCopier, waiting: Any, max_slots: int, inline: bool,
               scatter: tuple[bool, bool], copies: PumpCopies | None) -> NativePumps:
@@ -308,9 +312,11 @@ class UringBackend(OpsInFlight):
             self._run_completions()
 
     def stats(self) -> dict[str, Any]:
-        """Also ``loop_wakeups`` (the loop's wake-ups for the ring) and ``ring_thread_wakeups`` (the
-        ring thread's, 0 without it)."""
-        return {**super().stats(), "loop_wakeups": self.wakeups, "ring_thread_wakeups": self.thread_wakeups()[0]}
+        """Also ``loop_wakeups`` (the loop's wake-ups for the ring), ``ring_thread_wakeups`` (the
+        ring thread's, 0 without it) and ``prefetch_depth`` (while a demand load's pump runs, the
+        pump I/Os in flight below which a prefetch may start one; 0: no cap)."""
+        return {**super().stats(), "loop_wakeups": self.wakeups, "ring_thread_wakeups": self.thread_wakeups()[0],
+                "prefetch_depth": self.prefetch_depth}
 
     def phases(self, clear: bool = False) -> dict[str, Any]:
         return {"pump_" + name: value for name, value in self._ring.phases(clear).items()}

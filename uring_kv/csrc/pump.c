@@ -15,7 +15,8 @@
  * back to Python. Under a ring-wide cap on pump I/Os
  * (the engine's io_depth, below its slot count) a slot whose next step is an I/O waits, parked,
  * for room; by class (`klass`: demand loads, then prefetches, then stores), then in the order they
- * parked, except that a store whose pump has started no I/O for the ring's store aging (since it
+ * parked (a prefetch's, while a demand load's pump runs, only below the ring's prefetch cap),
+ * except that a store whose pump has started no I/O for the ring's store aging (since it
  * was made, or its last I/O) goes first, its slot starting its block even while more urgent calls
  * wait for slots (else the slot would go back to them, and the store to the end of the line). The struct is in ukv.h (cffi reads and writes some of its fields). */
 #include "ukv.h"
@@ -23,6 +24,7 @@
 enum { SLOT_FREE = 0, SLOT_IDLE, SLOT_IO, SLOT_COPY }; /* IDLE: held, parked for I/O room */
 
 static void pump_flush(struct ukv_ring *r, struct ukv_pump *p);
+static void pumps_settle(struct ukv_ring *r);
 
 /* A pump for nblocks blocks and slots below max_slots, its own arrays in the same allocation (free
  * with ukv_pump_free); offsets, cache, the tensor table and `waiting` belong to the caller and must
@@ -187,6 +189,24 @@ static struct io_uring_sqe *get_sqe(struct ukv_ring *r) {
 
 static int ring_has_room(const struct ukv_ring *r) { return !r->io_cap || r->io_inflight < r->io_cap; }
 
+/* A demand load's pump holds slots (a block in each, or parked for room), or has blocks to start
+ * and is not stopped (Python stops a pump once every block has a slot, or the call is cancelled). */
+static int demand_runs(const struct ukv_ring *r) {
+    for (int id = 0; id < r->pump_hi; id++) {
+        const struct ukv_pump *p = r->pumps[id];
+        if (p && p->klass == 0 && (p->inflight || (!p->stop && p->next < p->nblocks))) return 1;
+    }
+    return 0;
+}
+
+/* Room for an I/O of a pump of class `klass`: under the depth, and for a prefetch while a demand
+ * load's pump runs, under the prefetch cap too (the kernel then holds few reads for a demand read
+ * to queue behind). */
+static int room_for(const struct ukv_ring *r, int klass) {
+    return ring_has_room(r) &&
+           (klass != 1 || !r->prefetch_cap || r->io_inflight < r->prefetch_cap || !demand_runs(r));
+}
+
 static void touch(struct ukv_ring *r, struct ukv_pump *p) {
     if (!p->touched) {
         p->touched = 1;
@@ -236,7 +256,9 @@ static void pump_due_copy(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
 /* Room for a pump I/O now: under the cap, and no parked slot waiting for it first, unless `queued`
  * (the slot is the one whose turn it is). Parked slots get room in the order they parked, whatever
  * their pump, so a refill never overtakes another batch's parked slot. */
-static int io_may_start(const struct ukv_ring *r, int queued) { return ring_has_room(r) && (queued || !r->nparked); }
+static int io_may_start(const struct ukv_ring *r, const struct ukv_pump *p, int queued) {
+    return room_for(r, p->klass) && (queued || !r->nparked);
+}
 
 /* Start the pump's next block in the idle slot s it holds: a store with a copier (not writing from
  * the caches) first queues the block's copy into the slot; anything else starts the block's I/O
@@ -244,7 +266,7 @@ static int io_may_start(const struct ukv_ring *r, int queued) { return ring_has_
  * room (io_may_start). 0, or -EBUSY when no SQE could be had (nothing started). */
 static int pump_begin(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int queued) {
     int copy_first = p->write && p->copier && !p->slot_iov;
-    if (!copy_first && !io_may_start(r, queued)) {
+    if (!copy_first && !io_may_start(r, p, queued)) {
         pump_park(r, p, s);
         return 0;
     }
@@ -311,6 +333,8 @@ int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const
         else pump_release(p, s);
     }
     if (p->ncopy) pump_flush(r, p);
+    if (p->klass == 0 && p->nparked && r->prefetch_cap) /* parked behind prefetches the cap holds back */
+        pumps_settle(r);
     int ret = submit_retry(&r->ring);
     pthread_mutex_unlock(&r->mu);
     return ret < 0 ? ret : kept;
@@ -359,7 +383,7 @@ static void pump_complete(struct ukv_ring *r, struct ukv_pump *p, unsigned s, in
 /* A store's block is in slot s (its copy is done): write it, or park the slot while there is no
  * room (io_may_start). */
 static void pump_write(struct ukv_ring *r, struct ukv_pump *p, unsigned s, int queued) {
-    if (!io_may_start(r, queued)) {
+    if (!io_may_start(r, p, queued)) {
         pump_park(r, p, s);
         return;
     }
@@ -413,16 +437,18 @@ static void pump_flush(struct ukv_ring *r, struct ukv_pump *p) {
     p->ncopy = 0;
 }
 
-/* The pump whose first parked slot's turn is next: a store's pump that has started no I/O for
- * store_aging_ns or more (the one whose slot parked first), else by class (demand loads' pumps, then prefetches', then
- * stores'), then the order in which the slots parked. NULL when no attached pump has one; *aged
- * says whether the store's slot was picked for its age. */
+/* The pump whose first parked slot's turn is next, among those that may start an I/O now (room
+ * permitting; prefetches not while the prefetch cap holds them back): a store's pump that
+ * has started no I/O for store_aging_ns or more (the one whose slot parked first), else by class
+ * (demand loads' pumps, then prefetches', then stores'), then the order in which the slots parked.
+ * NULL when no attached pump has one; *aged says whether the store's was picked for its age. */
 static struct ukv_pump *next_parked(const struct ukv_ring *r, int *aged_out) {
     struct ukv_pump *next = NULL, *aged = NULL;
+    int prefetches = room_for(r, 1);
     int64_t aged_before = r->store_aging_ns ? now_ns() - r->store_aging_ns : INT64_MIN;
     for (int id = 0; id < r->pump_hi; id++) {
         struct ukv_pump *p = r->pumps[id];
-        if (!p || !p->nparked) continue;
+        if (!p || !p->nparked || (p->klass == 1 && !prefetches)) continue;
         unsigned first = p->parked[p->park_head];
         if (p->klass == 2 && p->progressed_ns <= aged_before &&
             (!aged || p->park_seq[first] < aged->park_seq[aged->parked[aged->park_head]]))
@@ -475,12 +501,14 @@ void take_touched(struct ukv_ring *r, int32_t *touched, unsigned *ntouched) {
     r->ntouched = 0;
 }
 
-/* Pump I/Os in flight at once on this ring: at most `cap` (0: no limit); a store's slot that has
- * waited `store_aging_ns` (0: no aging) for room goes before any load's. */
-void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns) {
+/* Pump I/Os in flight at once on this ring: at most `cap` (0: no limit); a store's pump that has
+ * started no I/O for `store_aging_ns` (0: no aging) takes the next room before any load's; while a
+ * demand load's pump runs, prefetches start I/O only below `prefetch_cap` pump I/Os (0: no cap). */
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns, unsigned prefetch_cap) {
     pthread_mutex_lock(&r->mu);
     r->io_cap = cap;
     r->store_aging_ns = store_aging_ns;
+    r->prefetch_cap = prefetch_cap;
     pthread_mutex_unlock(&r->mu);
 }
 

@@ -84,6 +84,7 @@ struct ukv_ring {
     unsigned nparked;     /* pumps' slots waiting for room under io_cap */
     uint64_t park_clock;  /* slots parked so far: their turn for room (ukv_pump.park_seq) */
     int64_t store_aging_ns; /* a store's pump that started no I/O for this long takes the next room (0: never) */
+    unsigned prefetch_cap; /* while a demand load's pump runs, prefetches start I/O only below this (0: no cap) */
     int pump_hi;          /* pump ids in use lie below this */
     unsigned copies_due;  /* pumps' slots whose copy is due, not yet queued as a job */
     int32_t touched[UKV_MAX_PUMPS]; /* pumps that moved in this call, each once */
@@ -196,7 +197,7 @@ int ukv_pump_attach(struct ukv_ring *r, struct ukv_pump *p);
 void ukv_pump_detach(struct ukv_ring *r, struct ukv_pump *p);
 int ukv_pump_add_slots(struct ukv_ring *r, struct ukv_pump *p, unsigned n, const uint32_t *slots,
                        const uint64_t *addrs, const int32_t *bufs);
-void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns);
+void ukv_ring_pump_depth(struct ukv_ring *r, unsigned cap, int64_t store_aging_ns, unsigned prefetch_cap);
 unsigned ukv_ring_pump_io(struct ukv_ring *r, unsigned *peak);
 void ukv_ring_phases(struct ukv_ring *r, int reset, int64_t *out);
 uint64_t ukv_ring_copied_late(const struct ukv_ring *r);
