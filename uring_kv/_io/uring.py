@@ -245,7 +245,7 @@ class UringBackend(OpsInFlight):
         self.inflight += len(ops)
         backlog = self._backlog
         for op in ops:
-            backlog[2 if op.later else op.write].append(op)
+            backlog[1 if op.write else 2 if op.later else 0].append(op)
             if op.write:
                 self._written_since.append(time.monotonic())
         self._flush()

@@ -480,6 +480,7 @@ static void pumps_settle(struct ukv_ring *r) {
         p->parked_empty--;
         /* an aged store's slot starts its block though more urgent calls wait for slots */
         int go = aged ? !p->stop && p->next < p->nblocks : pump_may_refill(p);
+        if (aged) p->progressed_ns = now_ns(); /* served: the next room by class again (a copy first is no I/O) */
         if (!(go && pump_begin(r, p, s, 1) == 0)) pump_release(p, s);
     }
     for (int id = 0; id < UKV_MAX_PUMPS && r->copies_due; id++) {
