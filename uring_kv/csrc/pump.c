@@ -16,9 +16,10 @@
  * (the engine's io_depth, below its slot count) a slot whose next step is an I/O waits, parked,
  * for room; by class (`klass`: demand loads, then prefetches, then stores), then in the order they
  * parked (a prefetch's, while a demand load's pump runs, only below the ring's prefetch cap),
- * except that a store whose pump has started no I/O for the ring's store aging (since it
- * was made, or its last I/O) goes first, its slot starting its block even while more urgent calls
- * wait for slots (else the slot would go back to them, and the store to the end of the line). The struct is in ukv.h (cffi reads and writes some of its fields). */
+ * except that a store whose pump has started no I/O for the ring's store aging (since it was
+ * made, or its last I/O) goes first, its slot starting its block even while more urgent calls
+ * wait for slots (else the slot would go back to them, and the store to the end of the line).
+ * The struct is in ukv.h (cffi reads and writes some of its fields). */
 #include "ukv.h"
 
 enum { SLOT_FREE = 0, SLOT_IDLE, SLOT_IO, SLOT_COPY }; /* IDLE: held, parked for I/O room */
@@ -253,9 +254,9 @@ static void pump_due_copy(struct ukv_ring *r, struct ukv_pump *p, unsigned s) {
     r->copies_due++;
 }
 
-/* Room for a pump I/O now: under the cap, and no parked slot waiting for it first, unless `queued`
- * (the slot is the one whose turn it is). Parked slots get room in the order they parked, whatever
- * their pump, so a refill never overtakes another batch's parked slot. */
+/* Room for an I/O of pump p now (room_for its class), and no parked slot waiting for it first,
+ * unless `queued` (the slot is the one whose turn it is): a refill never overtakes another batch's
+ * parked slot, whose turn next_parked decides (by class, store aging and the prefetch cap). */
 static int io_may_start(const struct ukv_ring *r, const struct ukv_pump *p, int queued) {
     return room_for(r, p->klass) && (queued || !r->nparked);
 }
